@@ -1,0 +1,31 @@
+"""Trident: RLHF with PPO on Megatron-core, streamed into SGLang (GPU) or a CPU rollout backend."""
+from setuptools import find_packages, setup
+
+# Pinned so that a plain install never pulls a CUDA torch build on a CPU machine.
+CORE = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "transformers==5.24.0",
+    "safetensors==0.8.0",
+    "tensorboard==2.21.0",
+    "triton==3.9.0",
+    "pyarrow==26.0.1",
+    "psutil",  # megatron-core imports it without declaring it
+    "pyyaml",
+    "numpy",
+]
+
+setup(
+    name="trident-rl",
+    version="0.1.0",
+    description="RLHF with PPO on Megatron-core layouts, hybrid engine into SGLang or a CPU rollout",
+    python_requires=">=3.10",
+    packages=find_packages(include=["engine", "engine.*", "parallel", "parallel.*",
+                                    "kernels", "kernels.*", "tools", "tools.*"]),
+    install_requires=CORE,
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.21"],
+        "ray": ["ray==2.60.0"],
+        "dev": ["pytest", "ray==2.60.0"],
+    },
+)

@@ -1,0 +1,136 @@
+"""Run a test function on N gloo ranks, with worker processes shared across the test session.
+
+Importing torch + megatron costs seconds per process, so one pool of worker processes is
+spawned per world size and kept for the whole pytest session; each call ships a module-level
+function (pickled by reference) to every rank and returns the per-rank results. Every call
+has a hard timeout: a hung collective kills the pool and fails the test instead of hanging CI.
+
+    from tests.multirank import run_on_ranks
+    results = run_on_ranks(my_fn, 2, arg1, kw=...)   # [result_rank0, result_rank1]
+
+Inside `my_fn`, torch.distributed is already initialised (gloo, `world_size` ranks) and
+megatron's model-parallel state is reset before each call.
+"""
+import atexit
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("TRIDENT_TEST_TIMEOUT", "240"))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank, world_size, port, inbox, outbox):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            _reset_model_parallel()
+            result = ("ok", fn(*args, **kwargs))
+        except BaseException:  # report everything, the parent raises it
+            result = ("error", traceback.format_exc())
+        try:
+            _reset_model_parallel()
+        except BaseException:
+            pass
+        outbox.put(result)
+    dist.destroy_process_group()
+
+
+def _reset_model_parallel():
+    import sys
+    if "megatron.core.parallel_state" in sys.modules:
+        from parallel.mesh import destroy_mesh
+        destroy_mesh()
+
+
+class _Pool:
+    def __init__(self, world_size):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        port = _free_port()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        self.outboxes = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker_main, daemon=True,
+                                  args=(r, world_size, port, self.inboxes[r], self.outboxes[r]))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, kwargs, timeout):
+        import queue
+        import time
+        for box in self.inboxes:
+            box.put((fn, args, kwargs))
+        results, deadline = [], time.monotonic() + timeout
+        for rank, box in enumerate(self.outboxes):
+            while True:
+                try:
+                    results.append(box.get(timeout=max(0.1, min(5.0, deadline - time.monotonic()))))
+                    break
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        why = f"rank(s) {dead} died" if dead else f"timed out after {timeout:.0f}s"
+                        raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: {why} "
+                                           f"(waiting for rank {rank})")
+        errors = [f"--- rank {r} ---\n{v}" for r, (kind, v) in enumerate(results) if kind == "error"]
+        if errors:
+            raise RuntimeError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return [v for _, v in results]
+
+    def close(self, graceful=True):
+        for p, box in zip(self.procs, self.inboxes):
+            if graceful and p.is_alive():
+                box.put(None)
+        for p in self.procs:
+            p.join(timeout=5 if graceful else 0.1)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS = {}
+
+
+def run_on_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, **kwargs):
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(graceful=False)
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except TimeoutError:
+        pool.close(graceful=False)  # a rank may be stuck in a collective: start afresh next time
+        _POOLS.pop(world_size, None)
+        raise
+    except RuntimeError:
+        # ranks finished (with an error) but collectives may now be out of step: restart them
+        pool.close(graceful=False)
+        _POOLS.pop(world_size, None)
+        raise
+
+
+@atexit.register
+def _close_all():
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
