@@ -1,0 +1,267 @@
+"""Parquet prompt datasets and a resumable, seeded prompt loader.
+
+Rows use the schema verl users already have:
+
+    prompt        list of chat messages [{"role", "content"}], or plain text
+    reward_model  {"ground_truth": str, "style": "rule" | "model"}
+    data_source   str, selects the rule reward (engine/rewards/registry.py)
+    extra_info    optional dict, passed to the reward function
+
+Prompts are tokenized once, up front, so that bad rows are found (and counted) before training:
+an empty prompt, a rule-reward row without ground truth, or a prompt longer than
+`max_prompt_length`. `truncation` decides what happens to them:
+
+    'error'  raise, naming the row and the field (default: bad data should not pass silently)
+    'filter' drop the row and count it in `filter_counts`
+    'left'   keep the last max_prompt_length tokens of an over-long prompt (other bad rows raise)
+    'right'  keep the first max_prompt_length tokens of an over-long prompt (other bad rows raise)
+"""
+import os
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+TRUNCATION_POLICIES = ("error", "filter", "left", "right")
+
+
+def write_prompt_parquet(rows, path):
+    """Write rows (dicts in the schema above) to a parquet file, creating its directory."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def read_prompt_rows(files):
+    """Rows (dicts) of one or more parquet files, in file order."""
+    files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    rows = []
+    for path in files:
+        if not os.path.exists(path):
+            raise ValueError(f"data file {path!r} does not exist; check data.train_files / data.val_files")
+        rows.extend(pq.read_table(path).to_pylist())
+    return rows
+
+
+def _is_messages(prompt):
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
+
+
+def _is_empty(prompt):
+    if prompt is None:
+        return True
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if _is_messages(prompt):
+        return not any(str(m.get("content") or "").strip() for m in prompt)
+    return False
+
+
+class PromptDataset:
+    """Tokenized prompts with their ground truth; `dataset[i]` is a dict (see `_example`)."""
+
+    def __init__(self, data, tokenizer, max_prompt_length, truncation="error", prompt_key="prompt",
+                 apply_chat_template=True):
+        if truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"data.truncation={truncation!r}; choose one of {list(TRUNCATION_POLICIES)}")
+        if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
+            raise ValueError(f"data.max_prompt_length={max_prompt_length!r} must be a positive integer")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.prompt_key = prompt_key
+        self.use_chat_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.filter_counts = {"data/filtered_empty_prompt": 0, "data/filtered_missing_ground_truth": 0,
+                              "data/filtered_overlong": 0}
+        self.num_truncated = 0
+        rows = data if _is_rows(data) else read_prompt_rows(data)
+        self.examples = []
+        for index, row in enumerate(rows):
+            example = self._example(index, row)
+            if example is not None:
+                self.examples.append(example)
+
+    def _bad_row(self, counter, index, message):
+        if self.truncation == "filter":
+            self.filter_counts[counter] += 1
+            return None
+        raise ValueError(f"prompt data row {index}: {message}; fix the data or set data.truncation='filter' "
+                         "to drop such rows")
+
+    def _prompt_text(self, prompt):
+        if _is_messages(prompt):
+            if self.use_chat_template:
+                return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            return "\n".join(str(m.get("content") or "") for m in prompt)
+        return str(prompt)
+
+    def _tokenize(self, prompt):
+        if _is_messages(prompt) and self.use_chat_template:  # the template already placed bos etc.
+            return self.tokenizer(self._prompt_text(prompt), add_special_tokens=False)["input_ids"]
+        return self.tokenizer(self._prompt_text(prompt), add_special_tokens=True)["input_ids"]
+
+    def _example(self, index, row):
+        if self.prompt_key not in row:
+            raise ValueError(f"prompt data row {index} has no field {self.prompt_key!r} (fields: "
+                             f"{sorted(row)}); set data.prompt_key to the prompt column")
+        prompt = row[self.prompt_key]
+        if _is_empty(prompt):
+            return self._bad_row("data/filtered_empty_prompt", index, f"field {self.prompt_key!r} is empty")
+        reward_model = row.get("reward_model") or {}
+        ground_truth = reward_model.get("ground_truth")
+        needs_truth = reward_model.get("style", "rule") != "model"
+        if needs_truth and (ground_truth is None or str(ground_truth).strip() == ""):
+            return self._bad_row("data/filtered_missing_ground_truth", index,
+                                 "field 'reward_model.ground_truth' is missing or empty")
+        input_ids = self._tokenize(prompt)
+        if len(input_ids) > self.max_prompt_length:
+            if self.truncation == "left":
+                input_ids = input_ids[-self.max_prompt_length:]
+                self.num_truncated += 1
+            elif self.truncation == "right":
+                input_ids = input_ids[:self.max_prompt_length]
+                self.num_truncated += 1
+            elif self.truncation == "filter":
+                self.filter_counts["data/filtered_overlong"] += 1
+                return None
+            else:
+                raise ValueError(f"prompt data row {index}: field {self.prompt_key!r} has {len(input_ids)} tokens "
+                                 f"> data.max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
+                                 "set data.truncation to 'left', 'right' or 'filter'")
+        return {
+            "index": index,
+            "input_ids": input_ids,
+            "raw_prompt": prompt,
+            "ground_truth": ground_truth,
+            "data_source": row.get("data_source"),
+            "extra_info": row.get("extra_info"),
+        }
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def _is_rows(data):
+    return isinstance(data, (list, tuple)) and (not data or isinstance(data[0], dict))
+
+
+def left_pad(sequences, pad_token_id, length=None):
+    """(input_ids [B, T], attention_mask [B, T]) with each sequence right-aligned (left padding)."""
+    length = length or max((len(s) for s in sequences), default=0)
+    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq) > length:
+            raise ValueError(f"sequence {row} has {len(seq)} tokens > pad length {length}")
+        if seq:
+            input_ids[row, length - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+            attention_mask[row, length - len(seq):] = 1
+    return input_ids, attention_mask
+
+
+@dataclass
+class PromptBatch:
+    input_ids: list            # list of token-id lists, unpadded
+    ground_truths: list
+    data_sources: list
+    raw_prompts: list
+    extra_infos: list
+    indices: list              # row indices in the source data
+    epoch: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self):
+        return len(self.input_ids)
+
+    def collate(self, pad_token_id, length=None):
+        """Left-padded (input_ids, attention_mask) tensors, ready for generation."""
+        return left_pad(self.input_ids, pad_token_id, length)
+
+
+class PromptLoader:
+    """Seeded, epoch-shuffled batches with exact mid-epoch resume.
+
+    Epoch e visits the rows in `randperm(len, seed + e)` order (identity when shuffle=False), so
+    the position (epoch, batches consumed in the epoch) is all the state there is.
+    `iter(loader)` yields the rest of the current epoch; `next_batch()` crosses epochs.
+    """
+
+    def __init__(self, dataset, batch_size, shuffle=True, seed=0, drop_last=True):
+        if batch_size <= 0:
+            raise ValueError(f"data.train_batch_size={batch_size!r} must be positive")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(f"dataset has {len(dataset)} rows (after filtering) < data.train_batch_size="
+                             f"{batch_size}; use a smaller batch or more data")
+        if len(dataset) == 0:
+            raise ValueError("dataset is empty (after filtering); check the data files and filter counts")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.batches_done = 0  # within the current epoch
+        self._cached_order = (None, None)
+
+    def __len__(self):
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _order(self, epoch):
+        if self._cached_order[0] != epoch:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(len(self.dataset), generator=generator).tolist()
+            else:
+                order = list(range(len(self.dataset)))
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
+
+    def _make_batch(self, order, b):
+        rows = [self.dataset[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
+        return PromptBatch(input_ids=[r["input_ids"] for r in rows],
+                           ground_truths=[r["ground_truth"] for r in rows],
+                           data_sources=[r["data_source"] for r in rows],
+                           raw_prompts=[r["raw_prompt"] for r in rows],
+                           extra_infos=[r["extra_info"] for r in rows],
+                           indices=[r["index"] for r in rows],
+                           epoch=self.epoch)
+
+    def _roll_epoch(self):
+        if self.batches_done >= len(self):
+            self.epoch += 1
+            self.batches_done = 0
+
+    def next_batch(self):
+        self._roll_epoch()
+        batch = self._make_batch(self._order(self.epoch), self.batches_done)
+        self.batches_done += 1
+        return batch
+
+    def __iter__(self):
+        self._roll_epoch()
+        epoch, order = self.epoch, self._order(self.epoch)
+        while self.epoch == epoch and self.batches_done < len(self):
+            batch = self._make_batch(order, self.batches_done)
+            self.batches_done += 1
+            yield batch
+
+    def state_dict(self):
+        epoch, done = (self.epoch + 1, 0) if self.batches_done >= len(self) else (self.epoch, self.batches_done)
+        return {"epoch": epoch, "batches_done": done, "seed": self.seed, "shuffle": self.shuffle,
+                "batch_size": self.batch_size, "dataset_len": len(self.dataset)}
+
+    def load_state_dict(self, state):
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "batch_size", "dataset_len"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data loader checkpoint has {key}={state[key]!r} but this run has {mine[key]!r}; "
+                                 "resume with the same data, batch size and seed")
+        self.epoch = int(state["epoch"])
+        self.batches_done = int(state["batches_done"])

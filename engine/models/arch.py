@@ -1,0 +1,178 @@
+"""HuggingFace architecture -> Megatron TransformerConfig / GPTModel arguments, per family.
+
+One entry per supported `architectures[0]`. Everything that differs between families (qkv bias,
+qk-norm, MoE router semantics, shared experts, MLA) is decided here and nowhere else.
+"""
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+
+
+@dataclass
+class ArchSpec:
+    """What the builder needs to know about one HF model, in Megatron's terms."""
+    family: str
+    transformer: dict            # TransformerConfig keyword arguments (model shape only)
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: float
+    tie_word_embeddings: bool
+    moe_layer_pattern: list = field(default_factory=list)  # 1 = MoE layer, 0 = dense
+    multi_latent_attention: bool = False
+
+    @property
+    def num_experts(self):
+        return self.transformer.get("num_moe_experts")
+
+
+def _get(cfg, *names, default=None):
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _rope_theta(cfg):
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = _get(cfg, "rope_theta") or params.get("rope_theta")
+    rope_type = params.get("rope_type", "default")
+    scaling = getattr(cfg, "rope_scaling", None)
+    if rope_type not in ("default", None) or (scaling and scaling.get("rope_type", scaling.get("type"))
+                                               not in ("default", None)):
+        raise ValueError(f"rope scaling {rope_type or scaling} of this checkpoint is not supported "
+                         "yet; only default RoPE is (remove rope_scaling from config.json to "
+                         "train at the original context length)")
+    return float(theta or 10000.0)
+
+
+def _check_activation(cfg):
+    act = _get(cfg, "hidden_act", default="silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; these families use 'silu' (SwiGLU)")
+
+
+def _dense(cfg, family, *, qkv_bias=False, qk_norm=False):
+    _check_activation(cfg)
+    heads = cfg.num_attention_heads
+    head_dim = _get(cfg, "head_dim", default=cfg.hidden_size // heads)
+    if _get(cfg, "mlp_bias", default=False):
+        raise ValueError("mlp_bias=True is not supported (no family in Trident uses it)")
+    return ArchSpec(
+        family=family,
+        transformer=dict(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=heads,
+            num_query_groups=_get(cfg, "num_key_value_heads", default=heads),
+            kv_channels=head_dim,
+            ffn_hidden_size=cfg.intermediate_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=_get(cfg, "rms_norm_eps", default=1e-6),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=qkv_bias or bool(_get(cfg, "attention_bias", default=False)),
+            qk_layernorm=qk_norm,
+        ),
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rotary_base=_rope_theta(cfg),
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
+    )
+
+
+def _moe(spec, cfg, *, num_experts, topk, expert_ffn, shared_ffn=None, shared_gate=False,
+         renormalize_topk=True, sparse_step=1, mlp_only_layers=(), first_dense=0):
+    n = cfg.num_hidden_layers
+    pattern = [0 if (i in set(mlp_only_layers) or i < first_dense or (i + 1) % sparse_step)
+               else 1 for i in range(n)]
+    spec.moe_layer_pattern = pattern
+    spec.transformer.update(
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=expert_ffn,
+        moe_layer_freq=pattern,
+        # softmax over all experts, then top-k; HF's norm_topk_prob=True renormalises the top-k
+        # weights, which equals a softmax over the top-k logits (megatron's default order).
+        moe_router_pre_softmax=not renormalize_topk,
+        moe_router_load_balancing_type="none",  # RL fine-tuning: no aux loss unless asked for
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+    )
+    if shared_ffn:
+        spec.transformer.update(moe_shared_expert_intermediate_size=shared_ffn,
+                                moe_shared_expert_gate=shared_gate)
+    return spec
+
+
+def _llama(cfg):
+    return _dense(cfg, "llama")
+
+
+def _qwen2(cfg):
+    return _dense(cfg, "qwen2", qkv_bias=True)
+
+
+def _qwen3(cfg):
+    return _dense(cfg, "qwen3", qk_norm=True)
+
+
+def _qwen2_moe(cfg):
+    spec = _dense(cfg, "qwen2_moe", qkv_bias=True)
+    return _moe(spec, cfg, num_experts=_get(cfg, "num_experts", "num_local_experts"),
+                topk=cfg.num_experts_per_tok, expert_ffn=cfg.moe_intermediate_size,
+                shared_ffn=cfg.shared_expert_intermediate_size, shared_gate=True,
+                renormalize_topk=bool(_get(cfg, "norm_topk_prob", default=False)),
+                sparse_step=_get(cfg, "decoder_sparse_step", default=1),
+                mlp_only_layers=_get(cfg, "mlp_only_layers", default=[]))
+
+
+def _qwen3_moe(cfg):
+    spec = _dense(cfg, "qwen3_moe", qk_norm=True)
+    return _moe(spec, cfg, num_experts=_get(cfg, "num_experts", "num_local_experts"),
+                topk=cfg.num_experts_per_tok, expert_ffn=cfg.moe_intermediate_size,
+                renormalize_topk=bool(_get(cfg, "norm_topk_prob", default=True)),
+                sparse_step=_get(cfg, "decoder_sparse_step", default=1),
+                mlp_only_layers=_get(cfg, "mlp_only_layers", default=[]))
+
+
+def _mixtral(cfg):
+    spec = _dense(cfg, "mixtral")
+    return _moe(spec, cfg, num_experts=_get(cfg, "num_local_experts", "num_experts"),
+                topk=cfg.num_experts_per_tok, expert_ffn=cfg.intermediate_size,
+                renormalize_topk=True)
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _llama,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral,
+}
+
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def architecture_of(hf_config):
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    return _MODEL_TYPES.get(getattr(hf_config, "model_type", None), str(
+        getattr(hf_config, "model_type", None)))
+
+
+def arch_spec(hf_config) -> ArchSpec:
+    """Translate a transformers config object into Megatron's terms, or say what is supported."""
+    arch = architecture_of(hf_config)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported; Trident supports "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[arch](hf_config)

@@ -1,0 +1,174 @@
+"""Build this rank's Megatron GPTModel chunks (actor / reference / critic) from a HF config.
+
+The layout comes from megatron's parallel_state (initialised by `parallel.mesh.init_mesh`); one
+chunk per virtual pipeline stage. TransformerEngine's layer spec is used when TE is importable on
+a GPU, Megatron's local spec (with Trident's norm and core attention) otherwise.
+"""
+import dataclasses
+import importlib.util
+from typing import List, Optional
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from engine.models.arch import ArchSpec, arch_spec
+from engine.models.local_modules import CoreAttention, Norm
+
+
+def te_available():
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+class TridentGPTModel(GPTModel):
+    """GPTModel whose last stage can return hidden states (for the fused log-prob kernel) or
+    scalar values (critic / reward model) instead of full-vocabulary logits.
+
+    head="lm":    logits [b, s, V/tp] by default; with `return_hidden=True`, the final hidden
+                  states [b, s, h] (sequence-parallel shards gathered) so the caller can run
+                  the chunked log-prob kernel against `output_weight()` without [tokens, vocab].
+    head="value": values [b, s] in fp32 from a scalar head replicated over TP.
+    """
+
+    def __init__(self, *args, head: str = "lm", **kwargs):
+        if head not in ("lm", "value"):
+            raise ValueError(f"head={head!r}; use 'lm' or 'value'")
+        super().__init__(*args, **kwargs)
+        self.head = head
+        self.return_hidden = False
+        if head == "value" and self.post_process:
+            self.output_layer = None  # a critic never needs the [vocab, hidden] projection
+            self.value_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False,
+                                              dtype=self.config.params_dtype)
+            torch.nn.init.normal_(self.value_head.weight, std=self.config.init_method_std)
+
+    def output_weight(self):
+        """This rank's vocab shard of the output projection (tied or not)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+    def _postprocess(self, hidden_states, **kwargs):
+        if not self.post_process or (self.head == "lm" and not self.return_hidden):
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        if self.config.sequence_parallel:
+            # Every TP rank needs the whole sequence; the heads that follow reduce their own
+            # gradient over TP (kernel) or compute it identically on every rank (value head),
+            # so the backward of this gather splits rather than sums.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        hidden = hidden_states.transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        if self.head == "value":
+            return self.value_head(hidden).squeeze(-1).float()
+        return hidden
+
+
+def _swap_local_modules(spec):
+    """Replace the local spec's torch norm and core attention by Trident's (see local_modules)."""
+    if spec is WrappedTorchNorm:
+        return Norm
+    if spec is DotProductAttention:
+        return CoreAttention
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_swap_local_modules(spec.module),
+                                   submodules=_swap_local_modules(spec.submodules))
+    if isinstance(spec, list):
+        return [_swap_local_modules(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _swap_local_modules(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_parallel=False,
+                       recompute_granularity=None, recompute_method=None,
+                       recompute_num_layers=None, overrides: Optional[dict] = None):
+    """TransformerConfig for `arch` at the layout of the current parallel_state."""
+    cuda = torch.cuda.is_available()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    kwargs = dict(
+        arch.transformer,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None,
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not cuda,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Losses are sums normalised by global token counts computed by the caller, so the
+        # schedule must neither average over micro-batches nor DDP over data-parallel ranks.
+        calculate_per_token_loss=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        moe_token_dispatcher_type="alltoall" if cuda else "allgather",
+        # gloo matches point-to-point messages between two ranks in posting order; megatron's
+        # batched p2p posts sends and receives in an order that, with pp=2 and virtual stages
+        # (both neighbours are the same rank), pairs an activation with a gradient. Its
+        # unbatched path orders even/odd ranks so messages pair correctly.
+        batch_p2p_comm=cuda,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
+    )
+    if arch.transformer.get("num_moe_experts") is None:
+        kwargs["moe_token_dispatcher_type"] = "alltoall"  # unused by dense models
+    # Pipeline stages exchange shapes first when micro-batches differ in length; megatron's
+    # allgather dispatcher (the one that runs on gloo) forbids that, so MoE models on CPU pad
+    # every micro-batch of a schedule call to one length instead.
+    kwargs["variable_seq_lengths"] = kwargs.get("moe_token_dispatcher_type") != "allgather"
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
+                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                config_overrides: Optional[dict] = None) -> List[TridentGPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage) for the HF config given."""
+    arch = arch_spec(hf_config)
+    config = transformer_config(arch, params_dtype=params_dtype,
+                                sequence_parallel=sequence_parallel,
+                                recompute_granularity=recompute_granularity,
+                                recompute_method=recompute_method,
+                                recompute_num_layers=recompute_num_layers,
+                                overrides=config_overrides)
+    use_te = te_available()
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if vpp > 1 else None
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                           normalization=config.normalization, vp_stage=stage)
+        if not use_te:
+            block = _swap_local_modules(block)
+        model = TridentGPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings and head == "lm",
+            position_embedding_type="rope",
+            rotary_base=arch.rotary_base,
+            vp_stage=stage,
+            head=head,
+        )
+        model.arch = arch
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,82 @@
+"""Torch modules for Megatron's local (non-TransformerEngine) layer spec.
+
+Megatron's local spec lacks two things Trident needs when TE is absent (CPU, or a GPU without
+TE): a norm that works with sequence parallelism, and a core attention that accepts separate
+key/value head sizes (MLA). These are plain torch; TE's fused versions replace them when present.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm / LayerNorm with Megatron's constructor; SP-aware.
+
+    Under sequence parallelism each TP rank normalises a different slice of the sequence, so
+    the weight gradients must be summed over TP: Megatron does that for parameters carrying
+    `sequence_parallel=True`, which this module sets from the config.
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, **unused):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization={config.normalization!r} is not supported; "
+                             "use RMSNorm or LayerNorm")
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x):
+        # Norm statistics in fp32 (as HF does) so bf16 runs match the reference closely.
+        xf = x.float()
+        if self.rms:
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * y.to(x.dtype)
+        y = F.layer_norm(xf, xf.shape[-1:], None, None, self.eps).to(x.dtype)
+        return y * self.weight + self.bias
+
+
+class CoreAttention(torch.nn.Module):
+    """Causal softmax attention on Megatron's [s, b, heads, dim] layout via torch SDPA.
+
+    Handles grouped-query attention (kv heads repeated), and key/value head sizes that differ
+    (MLA), which Megatron's local DotProductAttention does not. Padding is handled by the caller
+    as Megatron does: `attention_mask` (bool, True = masked out, [b or 1, 1, s, s]) already holds
+    the causal structure when given, e.g. a block-diagonal causal mask for packed sequences;
+    without it, attention is plain causal.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                 cp_comm_type=None, pg_collection=None, **unused):
+        super().__init__()
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"attention mask type {attn_mask_type} is not supported by the "
+                             "local core attention; only causal attention is")
+        self.k_channels = k_channels or config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.k_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **unused):
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences (THD) need TransformerEngine attention; the local "
+                             "path packs by concatenation with per-sequence position ids instead")
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        mask = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0)
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

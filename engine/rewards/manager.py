@@ -1,0 +1,141 @@
+"""RewardManager: responses -> per-sample scores -> token-level rewards [B, L].
+
+Each sample's score goes on its last valid response token (the outcome-reward convention the
+advantage estimators expect); every other token gets 0. Scores come from a rule reward
+(`compute_score(data_source, solution_str, ground_truth, extra_info)`), from a reward model's
+per-sequence scores passed in as `model_scores`, or from both added together.
+
+With `num_workers > 0` the rule rewards run in a pool of Ray actors, so slow verifiers (sympy)
+do not stall the training process; results come back in the original order.
+"""
+import os
+
+import torch
+
+from engine.rewards.registry import default_compute_score
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _score_items(compute_score, items):
+    return [compute_score(*item) for item in items]
+
+
+class _ScoreWorker:
+    """Ray actor body: scores a chunk of (data_source, solution_str, ground_truth, extra_info)."""
+
+    def __init__(self, compute_score):
+        self.compute_score = compute_score
+
+    def score(self, items):
+        return _score_items(self.compute_score, items)
+
+
+def last_token_index(response_mask):
+    """[B] index of each row's last valid token (0 for an empty response)."""
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    return (response_mask.bool() * (positions + 1)).argmax(-1)
+
+
+class RewardManager:
+    def __init__(self, tokenizer, compute_score=None, num_workers=0, skip_special_tokens=False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.compute_score = compute_score or default_compute_score
+        self.num_workers = int(num_workers)
+        if self.num_workers < 0:
+            raise ValueError(f"reward num_workers={num_workers!r} must be >= 0 (0 scores in-process)")
+        self._workers = None
+        self._started_ray = False
+
+    def _pool(self):
+        if self._workers is None:
+            import ray
+            if not ray.is_initialized():
+                # Workers must import engine.rewards by name, as the driver does.
+                path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+                ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": path}})
+                self._started_ray = True
+            actor = ray.remote(num_cpus=1)(_ScoreWorker)
+            self._workers = [actor.remote(self.compute_score) for _ in range(self.num_workers)]
+        return self._workers
+
+    def score_texts(self, texts, ground_truths, data_sources, extra_infos=None):
+        """Per-sample results of compute_score (float or dict), in input order."""
+        n = len(texts)
+        if not (len(ground_truths) == len(data_sources) == n):
+            raise ValueError(f"got {n} responses, {len(ground_truths)} ground truths and "
+                             f"{len(data_sources)} data sources; they must match")
+        extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
+        items = list(zip(data_sources, texts, ground_truths, extra_infos))
+        if self.num_workers == 0 or n == 0:
+            return _score_items(self.compute_score, items)
+        import ray
+        workers = self._pool()
+        chunk = -(-n // len(workers))
+        futures = [w.score.remote(items[i * chunk:(i + 1) * chunk]) for i, w in enumerate(workers)]
+        return [result for part in ray.get(futures) for result in part]
+
+    def decode(self, responses, response_mask):
+        """Text of each response's valid tokens (the mask), without its final eos.
+
+        Other special tokens stay in the text (unless skip_special_tokens=True): a policy must not
+        be able to hide junk such as <pad> or <s> inside an answer that is then scored as clean.
+        """
+        eos = self.tokenizer.eos_token_id
+        rows = []
+        for ids, mask in zip(responses, response_mask):
+            row = ids[mask.bool()].tolist()
+            rows.append(row[:-1] if row and row[-1] == eos else row)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=self.skip_special_tokens)
+
+    def __call__(self, responses, response_mask, ground_truths=None, data_sources=None,
+                 extra_infos=None, model_scores=None):
+        """(token_level_scores [B, L] float32, reward_extra_info {name: list of B}).
+
+        responses / response_mask: [B, L] right-padded response ids and their validity mask.
+        model_scores: optional [B] reward-model scores, added to the rule scores.
+        """
+        if responses.shape != response_mask.shape:
+            raise ValueError(f"responses {tuple(responses.shape)} and response_mask "
+                             f"{tuple(response_mask.shape)} must have the same shape")
+        batch = responses.shape[0]
+        scores = torch.zeros(batch, dtype=torch.float64)
+        extra = {}
+        if ground_truths is not None:
+            texts = self.decode(responses, response_mask)
+            results = self.score_texts(texts, ground_truths, data_sources or [None] * batch, extra_infos)
+            rule = torch.tensor([float(r["score"] if isinstance(r, dict) else r) for r in results],
+                                dtype=torch.float64)
+            extra = _extra_fields(results)
+            extra["rule_score"] = rule.tolist()
+            scores += rule
+        if model_scores is not None:
+            model_scores = model_scores.detach().double().cpu().reshape(-1)
+            if model_scores.shape[0] != batch:
+                raise ValueError(f"model_scores has {model_scores.shape[0]} entries for {batch} responses")
+            extra["model_score"] = model_scores.tolist()
+            scores += model_scores
+        if ground_truths is None and model_scores is None:
+            raise ValueError("RewardManager needs ground_truths (rule rewards) or model_scores (reward model)")
+        extra["score"] = scores.tolist()
+        token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
+        token_level[torch.arange(batch), last_token_index(response_mask.cpu())] = scores.float()
+        return token_level.to(responses.device), extra
+
+    def close(self):
+        if self._workers is not None:
+            import ray
+            for worker in self._workers:
+                ray.kill(worker)
+            self._workers = None
+            if self._started_ray:
+                ray.shutdown()
+                self._started_ray = False
+
+
+def _extra_fields(results):
+    """Dict results' fields other than "score", as lists (None where a sample lacks the field)."""
+    keys = sorted({k for r in results if isinstance(r, dict) for k in r if k != "score"})
+    return {k: [r.get(k) if isinstance(r, dict) else None for r in results] for k in keys}

@@ -1,0 +1,158 @@
+"""The rollout interface shared by the SGLang (GPU) and CPU backends.
+
+A weight sync is a series of ``update_weights`` calls, each with one bucket of full
+(unsharded) tensors under their Hugging Face checkpoint names, closed by one
+``finish_weight_update()`` which validates completeness and flushes any cached KV.
+Between phases of a colocated PPO step the engine gives its memory back with
+``release_memory()`` and takes it again with ``resume_memory()``; weights must be
+re-sent after a resume.
+"""
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FINISH_STOP = "stop"      # ended on an eos / stop token (the token is part of the response)
+FINISH_LENGTH = "length"  # hit max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; names follow verl's ``actor_rollout_ref.rollout.*`` keys.
+
+    Greedy decoding when ``do_sample`` is false or ``temperature`` is 0; ``top_k=-1``
+    and ``top_p=1.0`` switch those filters off. ``seed`` makes sampling reproducible
+    for the same prompts and parameters.
+    """
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None
+    do_sample: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            ("n", self.n, self.n >= 1, "use n >= 1 samples per prompt"),
+            ("temperature", self.temperature, self.temperature >= 0, "use temperature >= 0 (0 = greedy)"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "use 0 < top_p <= 1 (1 = off)"),
+            ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "use top_k >= 1 or -1 (off)"),
+            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, "use max_new_tokens >= 1"),
+        ]
+        for name, value, ok, fix in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={value!r} is invalid: {fix}")
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+
+@dataclass
+class RolloutOutput:
+    """Responses in prompt-major order: row ``i * n + j`` is sample ``j`` of prompt ``i``.
+
+    ``log_probs[r][t]`` is the rollout log-prob of ``responses[r][t]``:
+    ``log_softmax(logits / temperature)`` over the full vocabulary, before any top-k /
+    top-p filtering (what SGLang reports); greedy rows use temperature 1.
+
+    ``routed_experts`` (only when routing was recorded, MoE models): one int32 tensor per
+    row of shape ``[prompt_len + response_len - 1, num_moe_layers, top_k]``: the experts
+    chosen at every position the model was run on, prompt tokens first, then every
+    response token except the last (which is sampled, never fed back). This is SGLang's
+    ``return_routed_experts`` layout, so training can replay either backend's routing.
+    """
+    prompt_index: list[int]
+    responses: list[list[int]]
+    log_probs: list[list[float]]
+    finish_reasons: list[str]
+    routed_experts: Optional[list[torch.Tensor]] = field(default=None)
+
+    def padded(self, pad_token_id: int, length: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Right-padded ``responses`` [rows, L] (long), ``response_mask`` [rows, L] (1 = real
+        token) and ``rollout_log_probs`` [rows, L] (float32, 0 on padding)."""
+        longest = max((len(r) for r in self.responses), default=0)
+        length = longest if length is None else length
+        if length < longest:
+            raise ValueError(f"length={length} is shorter than the longest response ({longest}); "
+                             f"pass length >= {longest} or None")
+        rows = len(self.responses)
+        ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((rows, length), dtype=torch.long)
+        logp = torch.zeros((rows, length), dtype=torch.float32)
+        for r, (tokens, lps) in enumerate(zip(self.responses, self.log_probs)):
+            ids[r, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[r, :len(tokens)] = 1
+            logp[r, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        return {"responses": ids, "response_mask": mask, "rollout_log_probs": logp}
+
+
+class RolloutEngine(ABC):
+    """Generates responses with weights streamed in from the trainer."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full tensors named as in the HF checkpoint."""
+
+    @abstractmethod
+    def finish_weight_update(self) -> None:
+        """Close a weight sync: check every weight was sent, flush cached KV."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutOutput:
+        """Sample ``sampling.n`` responses for each prompt (token ids, no padding)."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free weights and KV cache so training can use the memory."""
+
+    @abstractmethod
+    def resume_memory(self) -> None:
+        """Take the memory back; weights must be re-sent before the next generate."""
+
+    def shutdown(self) -> None:
+        """Stop background processes, if any."""
+
+    def sync_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """One full weight sync: every bucket, then ``finish_weight_update``."""
+        for bucket in buckets:
+            self.update_weights(bucket)
+        self.finish_weight_update()
+
+
+ROLLOUT_NAMES = ("cpu", "sglang", "auto")
+
+
+def sglang_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+
+
+def make_rollout(name: str, hf_config, eos_token_ids: Sequence[int], **cfg) -> RolloutEngine:
+    """Build the rollout backend ``actor_rollout_ref.rollout.name``.
+
+    'cpu' -> :class:`CPURollout`; 'sglang' -> :class:`SGLangRollout` (needs CUDA, the
+    ``sglang`` package and ``model_path=`` in ``cfg``); 'auto' picks sglang when both are
+    present, else cpu. ``cfg`` goes to the backend's constructor.
+    """
+    if name not in ROLLOUT_NAMES:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is unknown; use one of {ROLLOUT_NAMES}")
+    if name == "auto":
+        name = "sglang" if sglang_available() else "cpu"
+    if name == "cpu":
+        from engine.rollout.cpu import CPURollout
+        return CPURollout(hf_config, eos_token_ids=eos_token_ids, **cfg)
+    if not torch.cuda.is_available():
+        raise ValueError("actor_rollout_ref.rollout.name='sglang' needs a CUDA GPU and none is visible; "
+                         "use name='cpu' (or 'auto') on this machine")
+    if importlib.util.find_spec("sglang") is None:
+        raise ValueError("actor_rollout_ref.rollout.name='sglang' needs the sglang package; "
+                         "install it with `pip install -e .[gpu]` or use name='cpu'")
+    from engine.rollout.sglang import SGLangRollout
+    return SGLangRollout(hf_config, eos_token_ids=eos_token_ids, **cfg)

@@ -1,0 +1,301 @@
+"""CPU rollout: a transformers model fed by streamed HF-named tensors, batched decoding
+with a KV cache. Same interface as the SGLang backend; meant for tests and the CPU demo.
+
+The model is built from its config with every parameter on the meta device (buffers such
+as RoPE frequencies are computed for real), so building costs no weight memory. Storage
+for the weights is allocated once per resume and weights are copied into it, so the
+process holds exactly one copy of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput,
+                                 SamplingParams)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Create parameters on the meta device while buffers stay real (not thread-safe)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@dataclass
+class _Slot:
+    """Where one checkpoint tensor lands: ``param_name[index]`` with ``shape``."""
+    param_name: str
+    index: tuple
+    shape: torch.Size
+
+
+# transformers 5 fuses MoE experts into 3-D parameters (experts.gate_up_proj [E, 2I, H],
+# experts.down_proj [E, H, I]); checkpoints and SGLang name them per expert. Mixtral-style
+# checkpoints use block_sparse_moe / w1 (gate), w3 (up), w2 (down).
+_PER_EXPERT_NAMES = {"default": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                     "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_MIXTRAL_LIKE = ("mixtral", "minimax")
+
+
+def _checkpoint_slots(model_type: str, param_name: str, shape: torch.Size) -> list[tuple[str, _Slot]]:
+    """Checkpoint names that fill ``param_name`` and the slice each one fills."""
+    style = "mixtral" if model_type in _MIXTRAL_LIKE else "default"
+    moe, gate, up, down = _PER_EXPERT_NAMES[style]
+    fused = re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", param_name)
+    if fused is None or len(shape) != 3:
+        name = param_name.replace(".mlp.", f".{moe}.") if style == "mixtral" else param_name
+        return [(name, _Slot(param_name, (), shape))]
+    prefix, kind = fused.groups()
+    slots = []
+    for e in range(shape[0]):
+        base = f"{prefix}.{moe}.experts.{e}"
+        if kind == "down_proj":
+            slots.append((f"{base}.{down}.weight", _Slot(param_name, (e,), shape[1:])))
+        else:
+            half = shape[1] // 2
+            slots.append((f"{base}.{gate}.weight", _Slot(param_name, (e, slice(0, half)), torch.Size([half, shape[2]]))))
+            slots.append((f"{base}.{up}.weight", _Slot(param_name, (e, slice(half, 2 * half)), torch.Size([half, shape[2]]))))
+    return slots
+
+
+def _return_freed_memory_to_os():
+    try:  # glibc keeps freed heap pages unless asked; without this RSS would not drop
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class CPURollout(RolloutEngine):
+    """Rollout on CPU with a transformers causal LM built from ``hf_config``.
+
+    ``eos_token_ids`` end a response (plus ``SamplingParams.stop_token_ids``);
+    ``record_routing=True`` records MoE routing (see :class:`RolloutOutput`).
+    """
+
+    def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), pad_token_id: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32, record_routing: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        self.dtype = dtype
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        # any valid id works: pads are masked out of attention and never returned
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else
+                                (self.eos_token_ids[0] if self.eos_token_ids else 0))
+        with _parameters_on_meta():
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        self.model.eval().requires_grad_(False)
+
+        # every (module, attribute) holding each parameter; tied weights share one entry
+        self._owners: dict[str, list[tuple[nn.Module, str]]] = {}
+        aliases: dict[str, list[str]] = {}
+        canonical: dict[int, str] = {}
+        for module_name, module in self.model.named_modules():
+            for attr, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{attr}" if module_name else attr
+                key = canonical.setdefault(id(param), full)
+                self._owners.setdefault(key, []).append((module, attr))
+                aliases.setdefault(key, []).append(full)
+        model_type = getattr(hf_config, "model_type", "")
+        self._slots: dict[str, _Slot] = {}
+        for key, names in aliases.items():
+            shape = self._param(key).shape
+            for alias in names:
+                for ckpt_name, slot in _checkpoint_slots(model_type, alias, shape):
+                    slot.param_name = key  # a tied alias writes the canonical parameter
+                    self._slots[ckpt_name] = slot
+        self._slot_ids = {name: (slot.param_name, repr(slot.index)) for name, slot in self._slots.items()}
+        self._missing: set = set(self._slot_ids.values())
+        self._allocated = False
+        self._weights_ready = False
+
+        self.record_routing = record_routing
+        self._routers = self._find_routers() if record_routing else []
+
+    # ----------------------------------------------------------------- weights
+    def checkpoint_names(self) -> list[str]:
+        """Every name ``update_weights`` accepts (tied weights under both names)."""
+        return list(self._slots)
+
+    def _param(self, key: str) -> nn.Parameter:
+        module, attr = self._owners[key][0]
+        return getattr(module, attr)
+
+    def _set_storage(self, device: str):
+        for key, owners in self._owners.items():
+            old = self._param(key)
+            new = nn.Parameter(torch.empty(old.shape, dtype=self.dtype, device=device), requires_grad=False)
+            for owner, owner_attr in owners:
+                setattr(owner, owner_attr, new)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self._allocated:
+            self.resume_memory()
+        if self._weights_ready:  # first bucket of a new sync
+            self._weights_ready = False
+            self._missing = set(self._slot_ids.values())
+        for name, tensor in named_tensors:
+            slot = self._slots.get(name)
+            if slot is None:
+                raise ValueError(f"update_weights: unknown weight name {name!r} for {type(self.model).__name__}; "
+                                 f"expected HF checkpoint names such as {list(self._slots)[:3]} "
+                                 f"(CPURollout.checkpoint_names() lists them all)")
+            if tuple(tensor.shape) != tuple(slot.shape):
+                raise ValueError(f"update_weights: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(slot.shape)} from the model config")
+            self._param(slot.param_name).data[slot.index].copy_(tensor)
+            self._missing.discard(self._slot_ids[name])
+
+    def finish_weight_update(self) -> None:
+        if self._missing:
+            names = sorted(n for n, sid in self._slot_ids.items() if sid in self._missing)
+            raise ValueError(f"finish_weight_update: {len(names)} weight(s) were never sent, e.g. {names[:5]}; "
+                             f"send every weight (tied lm_head / embed_tokens under either name) before finishing")
+        self._weights_ready = True
+
+    def release_memory(self) -> None:
+        self._set_storage("meta")
+        self._allocated = False
+        self._weights_ready = False
+        self._missing = set(self._slot_ids.values())
+        _return_freed_memory_to_os()
+
+    def resume_memory(self) -> None:
+        if not self._allocated:
+            self._set_storage("cpu")
+            self._allocated = True
+
+    # ----------------------------------------------------------------- routing
+    def _find_routers(self) -> list[nn.Module]:
+        # transformers 5 routers (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) are *TopKRouter modules
+        # returning (logits, weights, expert indices)
+        routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+        if not routers:
+            raise ValueError(f"record_routing=True needs a MoE model with top-k router modules; "
+                             f"{type(self.model).__name__} has none: set record_routing=False")
+        return routers
+
+    @contextlib.contextmanager
+    def _recording(self, steps: list):
+        """Hook the routers; each ``record(rows, seq)`` call appends the experts chosen in
+        the last forward to ``steps`` as one [rows, seq, layers, top_k] int32 tensor."""
+        per_layer: list[torch.Tensor] = []
+
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and not output[-1].is_floating_point()):
+                raise ValueError(f"record_routing: {type(module).__name__} does not return expert indices last")
+            per_layer.append(output[-1])
+
+        def record(rows: int, seq: int):
+            steps.append(torch.stack([t.reshape(rows, seq, -1) for t in per_layer], dim=2).to(torch.int32))
+            per_layer.clear()
+
+        handles = [r.register_forward_hook(hook) for r in self._routers]
+        try:
+            yield record
+        finally:
+            for h in handles:
+                h.remove()
+
+    # -------------------------------------------------------------- generation
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def _filtered(scaled: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """Top-k then top-p filtering of temperature-scaled logits (-inf outside)."""
+        if sampling.top_k != -1 and sampling.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the tokens before it already reach top_p (the first always stays)
+            drop = probs.cumsum(-1) - probs >= sampling.top_p
+            scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return scaled
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutOutput:
+        from transformers import DynamicCache
+
+        if not self._weights_ready:
+            raise RuntimeError("CPURollout.generate: no weights loaded; call update_weights(...) for every "
+                               "bucket and then finish_weight_update() (again after each resume_memory())")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: prompt_ids must be a non-empty list of non-empty token id lists")
+        rows_prompts = [list(p) for p in prompt_ids for _ in range(sampling.n)]
+        rows = len(rows_prompts)
+        prompt_lens = torch.tensor([len(p) for p in rows_prompts])
+        width = int(prompt_lens.max())
+        input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, width), dtype=torch.long)
+        for r, p in enumerate(rows_prompts):  # left padding: every row's next token is at column `width`
+            input_ids[r, width - len(p):] = torch.tensor(p)
+            attention_mask[r, width - len(p):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        generator = torch.Generator()
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), dtype=torch.long)
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+
+        responses = [[] for _ in range(rows)]
+        log_probs = [[] for _ in range(rows)]
+        finished = torch.zeros(rows, dtype=torch.bool)
+        routing_steps: list[torch.Tensor] = []
+        recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
+        cache = DynamicCache(config=self.model.config)
+        with recording as record:
+            logits = self._forward(input_ids, attention_mask, position_ids, cache)
+            if record:
+                record(rows, width)
+            for step in range(sampling.max_new_tokens):
+                scaled = logits / temperature
+                if sampling.greedy:
+                    tokens = scaled.argmax(-1)
+                else:
+                    probs = self._filtered(scaled, sampling).softmax(-1)
+                    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+                for r in (~finished).nonzero().flatten().tolist():
+                    responses[r].append(int(tokens[r]))
+                    log_probs[r].append(float(token_logp[r]))
+                finished |= torch.isin(tokens, stop_ids)
+                if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                    break
+                attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+                position_ids = position_ids[:, -1:] + 1
+                logits = self._forward(tokens[:, None], attention_mask, position_ids, cache)
+                if record:
+                    record(rows, 1)
+        del cache
+
+        stop_set = set(stop_ids.tolist())
+        finish = [FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
+        routed = None
+        if self.record_routing:
+            every_position = torch.cat(routing_steps, dim=1)  # [rows, width + steps, layers, top_k]
+            routed = [every_position[r, width - int(prompt_lens[r]): width + len(responses[r]) - 1].clone()
+                      for r in range(rows)]
+        return RolloutOutput(prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
+                             responses=responses, log_probs=log_probs, finish_reasons=finish,
+                             routed_experts=routed)

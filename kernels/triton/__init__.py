@@ -1,0 +1,1 @@
+"""Triton kernels (GPU; on CPU only under TRITON_INTERPRET=1). Imported lazily by kernels/."""

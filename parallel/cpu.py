@@ -1,0 +1,187 @@
+"""Lets megatron-core run on CPU with the gloo backend (tests, the CPU demo).
+
+megatron-core assumes CUDA in a handful of places (see shared/MEGATRON-ON-CPU.md). This module
+is the one place that redirects them; nothing else in Trident knows about it. `enable()` is
+idempotent and is called by `parallel.mesh` only when the device is the CPU.
+
+What it changes, and why:
+- the model-parallel RNG tracker keeps CPU generator states (dropout/init forks) instead of CUDA ones;
+- `torch.cuda.current_device/synchronize/Stream/Event/stream` answer harmlessly on CPU;
+- a TorchFunctionMode maps `device="cuda"` arguments, `Tensor.cuda()` and `.to("cuda")` to the CPU
+  (megatron's schedules and buffers create tensors on "cuda" literally);
+- `Tensor.type()` with no argument answers the `torch.cuda.*` name, since the distributed
+  optimizer checks parameter types by their CUDA type strings;
+- TE-only symbols that megatron imports optimistically are set to "absent".
+"""
+import contextlib
+import importlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+_MODE = None
+
+
+def is_enabled():
+    return _ENABLED
+
+
+def _is_cuda_device(device):
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made while active."""
+
+    _TO_METHODS = {torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros,
+                   torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func in self._TO_METHODS and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoOpEvent(_NoOpStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _install_rng_tracker():
+    """Megatron's RNG tracker forks CUDA generator states; on CPU it forks the CPU generator."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            outer = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            # Like the CUDA tracker, minus its "CPU state changed" warning: here the forked
+            # generator *is* the CPU generator.
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mp_random.CudaRNGStatesTracker = CpuRNGStatesTracker  # a force_reset re-creates ours
+
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    # The CPU device itself (not an index): autograd runs backward functions outside the
+    # function mode below (the mode is off while it dispatches `backward`), and megatron's
+    # backward passes allocate with `device=torch.cuda.current_device()`.
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.current_stream = lambda *a, **k: _NoOpStream()
+    cuda.default_stream = lambda *a, **k: _NoOpStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_device = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.get_device_capability = lambda *a, **k: (0, 0)
+
+
+def _patch_tensor_type():
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if not self.is_sparse else name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+
+
+def _disable_absent_te():
+    """megatron marks some TE symbols present when only its extension module imports."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+        return
+    except Exception:
+        pass
+    for module, attr, value in [("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None),
+                                ("megatron.core.transformer.multi_latent_attention", "HAVE_TE", False)]:
+        try:
+            setattr(importlib.import_module(module), attr, value)
+        except ImportError:
+            pass
+
+
+def enable():
+    """Make megatron-core usable on CPU for the rest of this process. Idempotent."""
+    global _ENABLED, _MODE
+    if _ENABLED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("parallel.cpu.enable() is for CPU-only processes; a CUDA device is present")
+    _patch_torch_cuda()
+    _patch_tensor_type()
+    _install_rng_tracker()
+    _disable_absent_te()
+    _MODE = _CudaToCpu()
+    _MODE.__enter__()
+    _ENABLED = True

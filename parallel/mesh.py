@@ -1,0 +1,96 @@
+"""torch.distributed + megatron-core parallel_state for a TP/PP/VPP/CP/EP/ETP/DP layout.
+
+The layout is given as plain sizes (the engine maps its config onto `Layout`); this module
+knows nothing about PPO. On a machine without CUDA it uses gloo and enables `parallel.cpu`.
+"""
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule)
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel; None = same as tp (megatron's default)
+    sequence_parallel: bool = False
+
+    @property
+    def expert_tp(self):
+        return self.tp if self.etp is None else self.etp
+
+    def dp(self, world_size):
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def check(self, world_size):
+        """One clear error for a layout that cannot tile `world_size` ranks."""
+        model = self.tp * self.pp * self.cp
+        if world_size % model:
+            raise ValueError(f"layout tp={self.tp} x pp={self.pp} x cp={self.cp} = {model} does not "
+                             f"divide the world size {world_size}; choose sizes whose product divides it")
+        if (world_size // self.pp) % (self.ep * self.expert_tp):
+            raise ValueError(f"expert layout ep={self.ep} x etp={self.expert_tp} does not divide the "
+                             f"{world_size // self.pp} ranks of a pipeline stage; lower ep or etp")
+        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"virtual pipeline size {self.vpp} needs pp > 1 (pp={self.pp}); unset vpp")
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError("sequence_parallel=True needs tp > 1; set sequence_parallel=False")
+
+
+def device_type():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(timeout_s: float = 600.0):
+    """Initialise torch.distributed from torchrun's environment (or as a single process)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
+    """Initialise megatron's model-parallel groups for `layout` and seed its RNG tracker."""
+    init_distributed(timeout_s)
+    layout.check(dist.get_world_size())
+    if not torch.cuda.is_available():
+        from parallel import cpu
+        cpu.enable()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        create_gloo_process_groups=False,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return layout
+
+
+def destroy_mesh():
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

@@ -1,0 +1,43 @@
+"""Micro-batches through Megatron's pipeline schedules (1F1B, interleaved, or no pipelining).
+
+`forward_backward` hides the schedule's iterator plumbing: the caller gives a list of
+micro-batches and a `step_fn(model, micro_batch) -> (output, loss_fn)`; with virtual pipeline
+stages every model chunk sees the same micro-batches in order. Gradients are finalised (DP /
+SP / tied-embedding reductions) by Megatron's own `finalize_model_grads`.
+"""
+from typing import Callable, List, Sequence
+
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Callable, *,
+                     forward_only: bool, seq_length: int, micro_batch_size: int):
+    """Run every micro-batch forward (and backward unless `forward_only`) through the pipeline.
+
+    Returns the list of per-micro-batch `info` values the loss functions returned (last pipeline
+    stage only; empty elsewhere). Losses are *sums* already normalised by the caller (the model
+    config sets `calculate_per_token_loss`): the schedule does not average them.
+    """
+    if not micro_batches:
+        return []
+    chunks = list(chunks)
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = None  # finalised below, without token scaling
+
+    def forward_step(data_iterator, model):
+        return step_fn(model, next(data_iterator))
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    infos = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    if not forward_only:
+        finalize_model_grads(chunks)
+    return infos

@@ -1,0 +1,179 @@
+"""The SGLang adapter's contract, checked against sglang's own source (it cannot run here).
+
+The pinned wheel is downloaded without dependencies into .cache/, read as a zip and parsed
+with ``ast`` (never imported). Every name in engine.rollout.sglang.USED_API must exist there.
+"""
+import ast
+import copy
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from engine.rollout.sglang import SGLANG_VERSION, USED_API
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache", f"sglang-{SGLANG_VERSION}")
+
+ENGINE = "sglang/srt/entrypoints/engine.py"
+SERVER_ARGS = "sglang/srt/server_args.py"
+SAMPLING = "sglang/srt/sampling/sampling_params.py"
+TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+
+
+def sglang_wheel() -> str:
+    wheels = [f for f in os.listdir(CACHE) if f.endswith(".whl")] if os.path.isdir(CACHE) else []
+    if not wheels:
+        # any platform's wheel has the same Python sources; pin one so the download is deterministic
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+               f"sglang=={SGLANG_VERSION}", "-d", CACHE, "-q"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"downloading sglang=={SGLANG_VERSION} from PyPI timed out")
+        wheels = [f for f in os.listdir(CACHE) if f.endswith(".whl")] if os.path.isdir(CACHE) else []
+        if done.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download sglang=={SGLANG_VERSION} (no PyPI access?): {done.stderr.strip()[-300:]}")
+    return os.path.join(CACHE, wheels[0])
+
+
+class SglangSource:
+    """Parsed modules of the wheel, by path."""
+
+    def __init__(self, wheel_path):
+        self.zip = zipfile.ZipFile(wheel_path)
+        self.trees = {}
+
+    def tree(self, path) -> ast.Module:
+        if path not in self.trees:
+            self.trees[path] = ast.parse(self.zip.read(path).decode("utf-8"), filename=path)
+        return self.trees[path]
+
+    def text(self, path) -> str:
+        return self.zip.read(path).decode("utf-8")
+
+    def class_def(self, path, name) -> ast.ClassDef:
+        for node in self.tree(path).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+        raise LookupError(f"class {name} not found in {path}")
+
+
+def method_parameters(cls: ast.ClassDef, method: str):
+    """(named parameters, has **kwargs) of ``cls.method``, or None when it is missing."""
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == method:
+            a = node.args
+            names = {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+            return names, a.kwarg is not None
+    return None
+
+
+def struct_fields(cls: ast.ClassDef) -> set:
+    """Annotated class-body names: the fields of a dataclass / msgspec.Struct."""
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def server_args_fields(src: SglangSource) -> set:
+    """ServerArgs fields: its own annotations plus those of every namespace listed in
+    ``_INPUT_NAMESPACES`` (0.5.21 assembles the msgspec struct from them)."""
+    tree = src.tree(SERVER_ARGS)
+    fields = struct_fields(src.class_def(SERVER_ARGS, "ServerArgs"))
+    imported_from = {alias.name: node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                     for alias in node.names}
+    namespaces = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_INPUT_NAMESPACES" for t in node.targets):
+            namespaces = [elt.id for elt in node.value.elts]
+    for name in namespaces:
+        path = imported_from[name].replace(".", "/") + ".py"
+        fields |= struct_fields(src.class_def(path, name))
+    return fields
+
+
+def contract_problems(src: SglangSource, used_api: dict) -> list:
+    """Every name in ``used_api`` that sglang's source does not have."""
+    problems = []
+    init = src.text("sglang/__init__.py")
+    if "Engine" not in {n.id for n in ast.walk(ast.parse(init)) if isinstance(n, ast.Name)}:
+        problems.append("sglang.Engine is not exported by sglang/__init__.py")
+    engine = src.class_def(ENGINE, "Engine")
+    for method, kwargs in used_api["Engine"].items():
+        params = method_parameters(engine, method)
+        if params is None:
+            problems.append(f"Engine.{method} does not exist")
+            continue
+        names, _ = params
+        problems += [f"Engine.{method} has no parameter {k!r}" for k in kwargs if k not in names]
+    init_params = method_parameters(engine, "__init__")
+    if init_params is None or not init_params[1]:
+        problems.append("Engine.__init__ no longer takes **kwargs for ServerArgs")
+    fields = server_args_fields(src)
+    problems += [f"ServerArgs has no field {k!r}" for k in used_api["ServerArgs"] if k not in fields]
+    sampling_fields = struct_fields(src.class_def(SAMPLING, "SamplingParams"))
+    problems += [f"SamplingParams has no field {k!r}" for k in used_api["SamplingParams"] if k not in sampling_fields]
+    manager_strings = {n.value for n in ast.walk(src.tree(TOKENIZER_MANAGER))
+                       if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    problems += [f"meta_info key {k!r} is never written by the tokenizer manager"
+                 for k in used_api["meta_info"] if k not in manager_strings]
+    return problems
+
+
+@pytest.fixture(scope="module")
+def source():
+    return SglangSource(sglang_wheel())
+
+
+def test_adapter_uses_only_names_that_exist_in_sglang(source):
+    assert contract_problems(source, USED_API) == []
+
+
+def test_checker_catches_wrong_names(source):
+    broken = copy.deepcopy(USED_API)
+    broken["Engine"]["generate"].append("return_log_prob")
+    broken["Engine"]["update_weights_from_tensors"] = []
+    broken["ServerArgs"].append("gpu_memory_utilization")
+    broken["SamplingParams"].append("seed")
+    broken["meta_info"].append("output_logprobs")
+    problems = contract_problems(source, broken)
+    assert problems == ["Engine.generate has no parameter 'return_log_prob'",
+                        "Engine.update_weights_from_tensors does not exist",
+                        "ServerArgs has no field 'gpu_memory_utilization'",
+                        "SamplingParams has no field 'seed'",
+                        "meta_info key 'output_logprobs' is never written by the tokenizer manager"]
+
+
+def test_server_args_fields_are_read_from_the_namespaces(source):
+    # the assembled field set is large; a parse that found only ServerArgs' own body would not be
+    fields = server_args_fields(source)
+    assert {"model_path", "tp_size", "mem_fraction_static", "log_level"} <= fields and len(fields) > 100
+
+
+def test_adapter_builds_exactly_the_declared_arguments():
+    from engine.rollout.base import SamplingParams
+    from engine.rollout.sglang import engine_kwargs, parse_result, sampling_dict
+
+    kwargs = engine_kwargs("/m", "bfloat16", "dummy", 2, 0.6, 4096, 0, False, False)
+    assert sorted(kwargs) == sorted(USED_API["ServerArgs"])
+    assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
+    assert kwargs["chunked_prefill_size"] == 4096 and kwargs["enable_memory_saver"] is True
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
+        engine_kwargs("/m", "bfloat16", "dummy", 1, 1.5, 4096, 0, False, False)
+    params = sampling_dict(SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=9, seed=3,
+                                          stop_token_ids=(7,)), eos_token_ids=[2])
+    assert sorted(params) == sorted(USED_API["SamplingParams"])
+    assert params["stop_token_ids"] == [2, 7] and params["sampling_seed"] == 3
+    assert sampling_dict(SamplingParams(do_sample=False, temperature=0.7), [2])["temperature"] == 0.0
+
+    import base64
+    import numpy as np
+    routing = np.arange(4 * 3 * 2, dtype=np.int32)  # 3 prompt + 2 response tokens -> 4 positions
+    result = {"meta_info": {"output_token_logprobs": [(-0.5, 11, None), (-1.5, 2, None)],
+                            "finish_reason": {"type": "stop", "matched": 2},
+                            "routed_experts": base64.b64encode(routing.tobytes()).decode()}}
+    tokens, logps, finish, routed = parse_result(result, prompt_len=3, routing_top_k=2)
+    assert (tokens, logps, finish) == ([11, 2], [-0.5, -1.5], "stop")
+    assert routed.shape == (4, 3, 2) and routed.flatten().tolist() == routing.tolist()

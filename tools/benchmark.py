@@ -1,0 +1,160 @@
+"""Trident benchmarks, one subcommand each.
+
+    python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
+    python tools/benchmark.py all                      # every subcommand with its defaults
+
+Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register
+them in SUBCOMMANDS; the returned dict is what `--json` writes.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: naive full-logits log-prob + entropy vs the fused chunked kernel
+#
+# Memory is measured honestly for CPU: each path runs in a FRESH subprocess, which allocates
+# its inputs, records its resident set size (RSS, /proc/self/statm), runs forward + backward,
+# and reports the process's peak RSS (getrusage ru_maxrss) minus that baseline. That delta is
+# everything the path needed beyond its inputs: logits and their temporaries, autograd saved
+# tensors, and the gradients of hidden and weight (the same [V, H] weight gradient in both
+# paths, so the ratio understates the fused path's saving on the logits themselves).
+
+def add_kernels_args(parser):
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="fused path's tokens per chunk (default: by bytes, see kernels)")
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs after one warm-up")
+    parser.add_argument("--worker", choices=("naive", "fused"), help=argparse.SUPPRESS)
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _kernels_worker(args):
+    """One path, in this (fresh) process: peak RSS over baseline, times, and checksums."""
+    import torch
+    from kernels.logprob import linear_logprob_entropy, naive_logprob_entropy
+
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=gen) / args.hidden ** 0.5) \
+        .to(dtype).requires_grad_()
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen)
+    coef_lp = torch.randn(args.tokens, generator=gen)  # a loss that uses both outputs
+    coef_ent = torch.randn(args.tokens, generator=gen)
+    if args.worker == "naive":
+        def step():
+            return naive_logprob_entropy(hidden, weight, labels, args.temperature)
+    else:
+        def step():
+            return linear_logprob_entropy(hidden, weight, labels, args.temperature,
+                                          chunk_tokens=args.chunk_tokens, backend="torch")
+    baseline = _rss_bytes()
+    times = []
+    for _ in range(1 + args.repeat):
+        hidden.grad = weight.grad = None
+        start = time.perf_counter()
+        logprob, entropy = step()
+        ((logprob * coef_lp).sum() + (entropy * coef_ent).sum()).backward()
+        times.append(time.perf_counter() - start)
+        sums = float(logprob.sum()), float(entropy.sum())
+        del logprob, entropy
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"peak_bytes": peak - baseline, "times_s": times, "time_s": min(times[1:] or times),
+            "logprob_sum": sums[0], "entropy_sum": sums[1],
+            "grad_hidden_norm": float(hidden.grad.float().norm()),
+            "grad_weight_norm": float(weight.grad.float().norm())}
+
+
+def run_kernels(args):
+    if args.worker:
+        return _kernels_worker(args)
+    results = {}
+    for path in ("naive", "fused"):
+        cmd = [sys.executable, os.path.abspath(__file__), "kernels", "--worker", path,
+               "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+               "--vocab", str(args.vocab), "--dtype", args.dtype,
+               "--temperature", str(args.temperature), "--repeat", str(args.repeat)]
+        if args.chunk_tokens:
+            cmd += ["--chunk-tokens", str(args.chunk_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path} worker failed (rc={proc.returncode}; a kill -9 usually "
+                               f"means out of memory):\n{proc.stderr[-4000:]}")
+        results[path] = json.loads(proc.stdout.strip().splitlines()[-1])
+    naive, fused = results["naive"], results["fused"]
+    from kernels.logprob import default_chunk_tokens
+    report = {
+        "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
+                  "dtype": args.dtype, "temperature": args.temperature,
+                  "chunk_tokens": args.chunk_tokens or default_chunk_tokens(args.vocab, "cpu")},
+        "naive": naive, "fused": fused,
+        "memory_ratio": fused["peak_bytes"] / naive["peak_bytes"],
+        "time_ratio": fused["time_s"] / naive["time_s"],
+        "max_checksum_rel_diff": max(
+            abs(fused[k] - naive[k]) / max(abs(naive[k]), 1e-12)
+            for k in ("logprob_sum", "entropy_sum", "grad_hidden_norm", "grad_weight_norm")),
+    }
+    gib = 1 << 30
+    print(f"kernels: tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} "
+          f"{args.dtype} chunk_tokens={report['shape']['chunk_tokens']} (forward+backward, CPU)")
+    print(f"  {'path':<7}{'peak mem (GiB)':>16}{'time (s)':>12}")
+    for path in ("naive", "fused"):
+        r = results[path]
+        print(f"  {path:<7}{r['peak_bytes'] / gib:>16.3f}{r['time_s']:>12.2f}")
+    print(f"  {'ratio':<7}{report['memory_ratio']:>16.3f}{report['time_ratio']:>12.3f}"
+          f"   (targets: memory <= 0.1, time <= 1.0)")
+    print(f"  checksums agree to {report['max_checksum_rel_diff']:.1e} (relative)")
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+
+SUBCOMMANDS = {
+    "kernels": (add_kernels_args, run_kernels),
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _) in SUBCOMMANDS.items():
+        p = sub.add_parser(name)
+        add_args(p)
+        p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p = sub.add_parser("all", help="run every subcommand with its defaults")
+    p.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+
+    if getattr(args, "worker", None):  # a child process of a subcommand: JSON on stdout
+        print(json.dumps(SUBCOMMANDS[args.command][1](args)))
+        return
+    if args.command == "all":
+        results = {name: run(sub.choices[name].parse_args([]))
+                   for name, (_, run) in SUBCOMMANDS.items()}
+    else:
+        results = SUBCOMMANDS[args.command][1](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

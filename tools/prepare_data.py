@@ -1,0 +1,89 @@
+"""Build parquet prompt data for Trident.
+
+    python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k/train.parquet
+    python tools/prepare_data.py --builtin arith --out-dir data/arith [--difficulty 0]
+
+GSM8K-style JSONL has one {"question": ..., "answer": "... #### 42"} per line. Each row becomes a
+chat prompt with the step-by-step instruction, reward_model.ground_truth = the number after
+"####", data_source "openai/gsm8k". `--builtin` writes train/val parquet of a task from
+engine/tasks.py and saves its tokenizer under OUT_DIR/tokenizer.
+"""
+import argparse
+import json
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import tasks  # noqa: E402
+from engine.data import write_prompt_parquet  # noqa: E402
+
+GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+GSM8K_SOURCE = "openai/gsm8k"
+
+
+def gsm8k_final_answer(answer_text):
+    """The number after the last '####' of a GSM8K answer, commas removed."""
+    if "####" not in answer_text:
+        raise ValueError(f"GSM8K answer has no '####': {answer_text[-80:]!r}")
+    return answer_text.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def gsm8k_rows(jsonl_path, split="train"):
+    rows = []
+    with open(jsonl_path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                question, answer = record["question"], record["answer"]
+                truth = gsm8k_final_answer(answer)
+            except (json.JSONDecodeError, KeyError, ValueError) as e:
+                raise ValueError(f"{jsonl_path}:{line_no}: not a GSM8K record with 'question' and "
+                                 f"'answer ... #### N' ({e})") from None
+            rows.append({
+                "data_source": GSM8K_SOURCE,
+                "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {"split": split, "index": len(rows), "question": question, "answer": answer},
+            })
+    return rows
+
+
+def write_builtin(name, out_dir, n_train, n_val, seed, difficulty):
+    train, val, _ = tasks.make_builtin_task(name, seed=seed, n_train=n_train, n_val=n_val, difficulty=difficulty)
+    write_prompt_parquet(train, os.path.join(out_dir, "train.parquet"))
+    write_prompt_parquet(val, os.path.join(out_dir, "val.parquet"))
+    tasks.save_tokenizer(os.path.join(out_dir, "tokenizer"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="GSM8K-style JSONL file")
+    parser.add_argument("--output", help="parquet file to write (with --input)")
+    parser.add_argument("--split", default="train", help="split name recorded in extra_info")
+    parser.add_argument("--builtin", choices=tasks.BUILTIN_TASKS, help="write a built-in task instead")
+    parser.add_argument("--out-dir", help="directory for the built-in task's train/val parquet")
+    parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--n-val", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--difficulty", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.builtin:
+        if not args.out_dir:
+            parser.error("--builtin needs --out-dir")
+        write_builtin(args.builtin, args.out_dir, args.n_train, args.n_val, args.seed, args.difficulty)
+        print(f"wrote {args.n_train} train / {args.n_val} val rows of {args.builtin!r} to {args.out_dir}")
+    elif args.input and args.output:
+        rows = gsm8k_rows(args.input, args.split)
+        write_prompt_parquet(rows, args.output)
+        print(f"wrote {len(rows)} rows to {args.output}")
+    else:
+        parser.error("give --input X.jsonl --output Y.parquet, or --builtin NAME --out-dir DIR")
+
+
+if __name__ == "__main__":
+    main()
