@@ -38,16 +38,14 @@ def _is_cuda_device(device):
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch call made while active."""
 
-    _TO_METHODS = {torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros,
-                   torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_tensor}
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
-        if func in self._TO_METHODS and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device)) \
+                and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)
 
@@ -149,8 +147,10 @@ def _patch_tensor_type():
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs:
-            name = original(self)
-            return name.replace("torch.", "torch.cuda.", 1) if not self.is_sparse else name
+            name = original(self)  # may come back through the function mode, already renamed
+            if self.is_sparse or name.startswith("torch.cuda."):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
         return original(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_

@@ -41,3 +41,37 @@ def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Calla
     if not forward_only:
         finalize_model_grads(chunks)
     return infos
+
+
+def split_by_count(n: int, size: int) -> List[List[int]]:
+    """Consecutive groups of `size` indices (the last may be smaller)."""
+    if size is None or size < 1:
+        raise ValueError(f"micro-batch size must be a positive integer, got {size!r}")
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def split_by_tokens(lengths: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """Dynamic batching: as few micro-batches as fit `max_tokens` tokens each, balanced.
+
+    Longest sequences first, each into the lightest micro-batch it fits (deterministic); the
+    number of micro-batches grows until everything fits. Groups keep ascending index order.
+    """
+    lengths = [int(n) for n in lengths]
+    too_long = [n for n in lengths if n > max_tokens]
+    if too_long:
+        raise ValueError(f"a sequence of {max(too_long)} tokens exceeds the token budget "
+                         f"{max_tokens} per micro-batch; raise ppo_max_token_len_per_gpu "
+                         f"(or log_prob_max_token_len_per_gpu) to at least {max(too_long)}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    k = max(1, -(-sum(lengths) // max_tokens))
+    while True:
+        loads, groups = [0] * k, [[] for _ in range(k)]
+        for i in order:
+            b = min(range(k), key=lambda j: (loads[j], j))
+            if loads[b] + lengths[i] > max_tokens:
+                break
+            loads[b] += lengths[i]
+            groups[b].append(i)
+        else:
+            return [sorted(g) for g in groups if g]
+        k += 1

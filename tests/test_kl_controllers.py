@@ -67,4 +67,5 @@ def test_factory_and_validation():
 
 def test_estimators_live_in_kernels():
     import kernels.kl
-    assert kl_penalty is kernels.kl.kl_penalty and kl_module.linear_full_kl is kernels.kl.linear_full_kl
+    assert kl_penalty is kernels.kl.kl_penalty
+    assert kl_module.linear_full_kl is kernels.kl.linear_full_kl

@@ -138,6 +138,70 @@ def _qwen3_moe(cfg):
                 mlp_only_layers=_get(cfg, "mlp_only_layers", default=[]))
 
 
+def _deepseek_v3(cfg):
+    """DeepSeek-V3: MLA attention, sigmoid group-limited router with a score-correction bias,
+    shared experts, the first `first_k_dense_replace` layers dense. Its multi-token-prediction
+    layers (`num_nextn_predict_layers`) are not built: they only serve speculative decoding and
+    the MTP loss, neither of which PPO uses; their checkpoint tensors are skipped on load."""
+    _check_activation(cfg)
+    if _get(cfg, "attention_bias", default=False):
+        raise ValueError("attention_bias=True is not supported for DeepSeek-V3 (MLA has no bias)")
+    if not _get(cfg, "rope_interleave", default=True):
+        raise ValueError("rope_interleave=False is not supported: Megatron's MLA applies RoPE to "
+                         "interleaved rotary dimensions, as DeepSeek-V3 checkpoints store them")
+    topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+    if group_topk and topk // group_topk != 2:
+        # HF scores a group by its top-2 experts; Megatron by its top-(topk / group_topk).
+        raise ValueError(f"num_experts_per_tok={topk} with topk_group={group_topk} scores a "
+                         "group by its top-2 experts only when num_experts_per_tok == 2 * topk_group")
+    if not _get(cfg, "norm_topk_prob", default=True) and topk > 1:
+        raise ValueError("norm_topk_prob=False is not supported with sigmoid routing (Megatron "
+                         "always renormalises the top-k sigmoid scores)")
+    heads = cfg.num_attention_heads
+    spec = ArchSpec(
+        family="deepseek_v3",
+        transformer=dict(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=heads,
+            num_query_groups=heads,
+            ffn_hidden_size=cfg.intermediate_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=_get(cfg, "rms_norm_eps", default=1e-6),
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            qk_layernorm=True,  # MLA's q_a / kv_a layernorms are Megatron's q/kv "layernorm"
+            multi_latent_attention=True,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_nope_head_dim,
+            qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_type="rope",
+            rotary_scaling_factor=1.0,  # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
+        ),
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rotary_base=_rope_theta(cfg),
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
+        multi_latent_attention=True,
+    )
+    _moe(spec, cfg, num_experts=cfg.n_routed_experts, topk=topk,
+         expert_ffn=cfg.moe_intermediate_size,
+         shared_ffn=(cfg.n_shared_experts or 0) * cfg.moe_intermediate_size,
+         first_dense=_get(cfg, "first_k_dense_replace", default=0))
+    spec.transformer.update(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,  # HF's e_score_correction_bias
+        moe_router_num_groups=groups if group_topk else None,
+        moe_router_group_topk=group_topk or None,
+        moe_router_topk_scaling_factor=_get(cfg, "routed_scaling_factor", default=1.0),
+    )
+    return spec
+
+
 def _mixtral(cfg):
     spec = _dense(cfg, "mixtral")
     return _moe(spec, cfg, num_experts=_get(cfg, "num_local_experts", "num_experts"),
@@ -153,6 +217,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
     "MixtralForCausalLM": _mixtral,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -14,6 +14,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import ModuleSpec, TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -132,6 +133,11 @@ def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_p
     # allgather dispatcher (the one that runs on gloo) forbids that, so MoE models on CPU pad
     # every micro-batch of a schedule call to one length instead.
     kwargs["variable_seq_lengths"] = kwargs.get("moe_token_dispatcher_type") != "allgather"
+    if arch.multi_latent_attention:
+        kwargs["rotary_base"] = arch.rotary_base  # MLA builds its rotary embedding from config
+        kwargs.pop("multi_latent_attention", None)
+        kwargs.update(overrides or {})
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 

@@ -66,8 +66,7 @@ class CoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
         if packed_seq_params is not None:
-            raise ValueError("packed sequences (THD) need TransformerEngine attention; the local "
-                             "path packs by concatenation with per-sequence position ids instead")
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.shape[1] != q.shape[1]:
@@ -80,3 +79,23 @@ class CoreAttention(torch.nn.Module):
             dropout_p=self.dropout if self.training else 0.0)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _packed(self, query, key, value, params):
+        """THD: [t, heads, dim] with sequences back to back; causal within each sequence."""
+        from parallel.packing import segment_ids
+
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+            else params.cu_seqlens_q
+        t = query.shape[0]
+        seg = segment_ids(cu.cpu(), t).to(query.device)
+        pos = torch.arange(t, device=query.device)
+        allowed = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0)
+        return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)

@@ -1,0 +1,225 @@
+"""What actor, critic and reference share: a Megatron model on this rank's layout, its
+optimizer, and running a batch through the pipeline schedule in micro-batches.
+
+Batches use verl's layout: `input_ids` / `attention_mask` [B, P+R] with the prompt left-padded
+and the response right-padded, `responses` / `response_mask` [B, R]. The forward pass never
+sees pad tokens: each sample's valid tokens are either packed back to back into one row
+(`use_remove_padding`, THD) or left-aligned and right-padded per row, so attention is causal
+and RoPE positions start at 0 for every sequence.
+"""
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from engine.batch import Batch
+from engine.models.builder import build_model
+from parallel.packing import pack
+from parallel.schedule import forward_backward, split_by_count, split_by_tokens
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class MicroBatch:
+    """One forward pass worth of samples, in model input form."""
+    rows: List[int]               # indices into the (mini-)batch
+    tokens: torch.Tensor          # [1, T] packed, or [b, S] left-aligned
+    packed_params: object         # PackedSeqParams or None
+    positions: torch.Tensor       # flat index into tokens.view(-1) of each response prediction
+    labels: torch.Tensor          # the response token predicted at each of those positions
+    response_lengths: List[int]   # per row, valid response tokens
+    response_width: int           # R of the batch (response_mask.shape[1])
+
+    def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-prediction values [n] -> [rows, R] right-padded with zeros (differentiable)."""
+        out = flat.new_zeros(len(self.rows), self.response_width)
+        mask = torch.arange(self.response_width)[None, :] < torch.tensor(self.response_lengths)[:, None]
+        return out.masked_scatter(mask, flat)
+
+
+def sample_sequences(batch: Batch):
+    """(valid token ids, prompt length, response length) of each sample."""
+    input_ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+    width = batch["responses"].shape[1]
+    prompt_attn = attn[:, : attn.shape[1] - width]
+    resp_len = batch["response_mask"].sum(-1).tolist()
+    out = []
+    for i in range(len(batch)):
+        prompt = input_ids[i, : prompt_attn.shape[1]][prompt_attn[i]]
+        response = batch["responses"][i, : int(resp_len[i])]
+        out.append((torch.cat([prompt, response]), prompt.numel(), int(resp_len[i])))
+    return out
+
+
+def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of: int,
+                     pad_id: int = 0, min_length: int = 0) -> MicroBatch:
+    seqs = sample_sequences(batch.index_select(rows))
+    width = batch["responses"].shape[1]
+    positions, labels = [], []
+    if packed:
+        p = pack([s for s, _, _ in seqs], pad_id=pad_id, multiple_of=multiple_of,
+                 min_length=min_length)
+        tokens, params, starts, stride = p.tokens, p.params, p.offsets, 0
+    else:
+        longest = max(max(s.numel() for s, _, _ in seqs), min_length)
+        longest = -(-longest // multiple_of) * multiple_of
+        tokens = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+        for r, (s, _, _) in enumerate(seqs):
+            tokens[r, : s.numel()] = s
+        params, starts, stride = None, [r * longest for r in range(len(seqs))], longest
+    for start, (seq, plen, rlen) in zip(starts, seqs):
+        # token t+1 is predicted at position t: the response starts at plen
+        pos = torch.arange(start + plen - 1, start + plen - 1 + rlen)
+        positions.append(pos)
+        labels.append(seq[plen: plen + rlen])
+    return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
+                      positions=torch.cat(positions), labels=torch.cat(labels),
+                      response_lengths=[r for _, _, r in seqs], response_width=width)
+
+
+class MegatronWorker:
+    """A model (actor, critic or reference) on this rank's Megatron layout."""
+
+    def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
+                 total_steps=1, pad_token_id=0):
+        self.hf_config = hf_config
+        self.megatron_cfg = megatron_cfg
+        self.model_cfg = model_cfg
+        self.pad_token_id = pad_token_id
+        self.params_dtype = DTYPES[megatron_cfg.params_dtype]
+        recompute = {}
+        if megatron_cfg.recompute_granularity or model_cfg.enable_gradient_checkpointing:
+            recompute = dict(
+                recompute_granularity=megatron_cfg.recompute_granularity or "full",
+                recompute_method=megatron_cfg.recompute_method or "uniform",
+                recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
+        self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
+                                  sequence_parallel=bool(megatron_cfg.sequence_parallel),
+                                  **recompute)
+        self.config = self.chunks[0].config
+        self.optimizer = self.scheduler = None
+        if optim_cfg is not None:
+            self._setup_training(optim_cfg, total_steps)
+        for model in self.models:
+            model.return_hidden = head == "lm"
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def models(self):
+        """The unwrapped TridentGPTModel of each chunk."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
+    @property
+    def is_last_stage(self):
+        return ps.is_pipeline_last_stage()
+
+    def _setup_training(self, optim_cfg, total_steps):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        m = self.megatron_cfg
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=m.overlap_grad_reduce,
+            overlap_param_gather=m.overlap_param_gather and m.use_distributed_optimizer,
+            use_distributed_optimizer=m.use_distributed_optimizer)
+        self.chunks = [DistributedDataParallel(c.config, ddp_cfg, c,
+                                               disable_bucketing=i > 0)
+                       for i, c in enumerate(self.chunks)]
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
+            weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
+            adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
+            use_distributed_optimizer=m.use_distributed_optimizer,
+            bf16=self.params_dtype == torch.bfloat16, fp16=self.params_dtype == torch.float16,
+            params_dtype=self.params_dtype,
+            overlap_param_gather=m.overlap_param_gather and m.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks,
+                                                use_gloo_process_groups=False)
+        warmup = optim_cfg.lr_warmup_steps
+        if warmup is None or warmup < 0:
+            warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+        total_steps = max(total_steps, 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup > 0 else optim_cfg.lr, max_lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1),
+            lr_decay_style=optim_cfg.lr_decay_style, start_wd=optim_cfg.weight_decay,
+            end_wd=optim_cfg.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
+
+    # -- micro-batching --------------------------------------------------------------------
+    def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,
+                      rows: Optional[List[int]] = None) -> List[MicroBatch]:
+        rows = list(range(len(batch))) if rows is None else list(rows)
+        if max_tokens is not None:
+            lengths = batch["attention_mask"][rows].sum(-1).tolist()
+            groups = [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
+        else:
+            groups = [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
+        packed = bool(self.model_cfg.use_remove_padding)
+        multiple = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        min_length = 0
+        if not self.config.variable_seq_lengths:
+            # every micro-batch of one schedule call must have the same shape
+            lengths = batch["attention_mask"].sum(-1)
+            min_length = max(int(lengths[g].sum()) if packed else int(lengths[g].max())
+                             for g in groups)
+        return [make_micro_batch(batch, g, packed=packed, multiple_of=multiple,
+                                 pad_id=self.pad_token_id, min_length=min_length) for g in groups]
+
+    def run(self, micro: List[MicroBatch], head_fn: Callable, *, forward_only: bool):
+        """Run micro-batches through the pipeline. `head_fn(output, mb)` gets the last stage's
+        output (hidden states [b, s, h] or values [b, s]) and returns (loss, info)."""
+
+        def step(model, mb: MicroBatch):
+            out = model(mb.tokens, None if mb.packed_params is not None else
+                        torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens), None,
+                        packed_seq_params=mb.packed_params)
+
+            def loss_fn(output):
+                loss, info = head_fn(output, mb)
+                return loss, torch.tensor(1), info
+            return out, loss_fn
+
+        seq_length = max(mb.tokens.shape[1] for mb in micro)
+        return forward_backward(self.chunks, micro, step, forward_only=forward_only,
+                                seq_length=seq_length, micro_batch_size=micro[0].tokens.shape[0])
+
+    def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype=torch.float32):
+        """Forward-only results live on the last pipeline stage; every stage needs them."""
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype)
+        dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        return tensor
+
+    # -- optimisation ----------------------------------------------------------------------
+    def zero_grad(self):
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self):
+        """One optimizer step on the accumulated gradients; (grad_norm, lr)."""
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        return (float(grad_norm) if grad_norm is not None else float("nan")), lr, success
+
+    def dp_all_reduce(self, values: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        return values
+
+
+def global_counts(normaliser, group):
+    """Sum a LossNormaliser's counts over the data-parallel group."""
+    t = torch.tensor([normaliser.global_token_count, normaliser.global_seq_count],
+                     dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return type(normaliser)(float(t[0]), float(t[1]), normaliser.max_response_len)

@@ -1,0 +1,239 @@
+"""HuggingFace safetensors <-> Megatron dist_checkpointing conversion.
+
+    # HF -> Megatron at TP=2 (2 CPU ranks spawned here; or run the same under torchrun)
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out CKPT --tp 2 --nproc 2
+    # Megatron -> HF (any layout the checkpoint can be read at; default one process)
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt CKPT --out HF_OUT
+
+hf-to-mcore builds the model at the layout asked for, each rank reads only its slices of the
+HF tensors (engine.models.hf_io), and saves `dist_checkpointing` shards plus
+`trident_meta.json` (source layout, dtype) and `hf_config/` (config + tokenizer files), which
+mcore-to-hf uses unless --hf-config is given. mcore-to-hf loads the checkpoint at the layout
+asked for and streams global tensors, one at a time, into HF safetensors shards. Peak memory
+per rank: its share of the model, plus (rank 0) the largest tensor and one output shard.
+Every failure is one ValueError and leaves no partial output directory (outputs are written
+into a temporary sibling and renamed at the end).
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+META_FILE = "trident_meta.json"
+HF_CONFIG_DIR = "hf_config"
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _torch_dtype(name, hf_config=None):
+    import torch
+    if name in (None, "auto"):
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        d = getattr(torch, d, None) if isinstance(d, str) else d
+        return d if isinstance(d, torch.dtype) else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; use auto, float32, bfloat16 or float16")
+    return getattr(torch, _DTYPES[name])
+
+
+def _state_dict_of(chunks):
+    """Megatron's nesting: one chunk -> "model", virtual stages -> "model0", "model1", ..."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _shared_tmp_dir(out_dir):
+    """Rank 0 makes the temporary output directory; every rank learns its path."""
+    import torch.distributed as dist
+
+    from engine.models import hf_io
+    box = [None, None]
+    if dist.get_rank() == 0:
+        box[1] = hf_io.check_new_output_dir(out_dir)
+        if box[1] is None:
+            box[0] = hf_io.atomic_output_dir(out_dir)
+    dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise ValueError(box[1])
+    return box[0]
+
+
+def _log(msg):
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
+    """Convert on the current process group (collective). Returns this rank's model chunks."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from engine.models import hf_io
+    from engine.models.arch import arch_spec
+    from engine.models.builder import build_model
+    from parallel.mesh import init_mesh
+
+    hf_config = hf_io.load_config(hf_dir)
+    arch_spec(hf_config)  # unsupported architectures fail here, before any work
+    index = hf_io.read_index(hf_dir)
+    hf_io.validate_checkpoint(hf_config, index)
+    init_mesh(layout)
+    dtype = _torch_dtype(params_dtype, hf_config)
+    chunks = build_model(hf_config, params_dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    hf_io.load_hf_weights(chunks, hf_dir, hf_config)
+    _log(f"loaded {len(index)} HF tensors from {hf_dir}")
+    tmp = _shared_tmp_dir(out_dir)
+    try:
+        dist_checkpointing.save(_state_dict_of(chunks), tmp)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            meta = dict(format="megatron dist_checkpointing", params_dtype=str(dtype).replace("torch.", ""),
+                        source=os.path.abspath(hf_dir), layout=dict(layout.__dict__),
+                        world_size=dist.get_world_size())
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump(meta, f, indent=2)
+            cfg_dir = os.path.join(tmp, HF_CONFIG_DIR)
+            os.makedirs(cfg_dir)
+            hf_config.save_pretrained(cfg_dir)
+            hf_io.copy_side_files(hf_dir, cfg_dir)
+            hf_io.publish(tmp, out_dir)
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+    _log(f"wrote Megatron checkpoint {out_dir} (layout {layout})")
+    return chunks
+
+
+def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=2000, dtype="auto"):
+    """Convert on the current process group (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from engine.models import hf_io
+    from engine.models.builder import build_model
+    from parallel.mesh import init_mesh
+
+    meta_path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isdir(ckpt_dir) or not os.path.exists(os.path.join(ckpt_dir, "metadata.json")):
+        raise ValueError(f"{ckpt_dir!r} is not a Megatron dist checkpoint (no metadata.json)")
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    hf_config_dir = hf_config_dir or os.path.join(ckpt_dir, HF_CONFIG_DIR)
+    hf_config = hf_io.load_config(hf_config_dir)
+    error = hf_io.check_new_output_dir(out_dir)
+    if error:
+        raise ValueError(error)
+    init_mesh(layout)
+    params_dtype = _torch_dtype(meta.get("params_dtype", "auto"), hf_config)
+    chunks = build_model(hf_config, params_dtype=params_dtype, sequence_parallel=layout.sequence_parallel)
+    state = dist_checkpointing.load(_state_dict_of(chunks), ckpt_dir)
+    for key, chunk in zip(sorted(state) if len(chunks) > 1 else ["model"], chunks):
+        chunk.load_state_dict(state[key], strict=True)
+    del state
+
+    def progress(done, total, nbytes):
+        if done == total or done % max(1, total // 20) == 0:
+            print(f"  {done}/{total} tensors, {nbytes / 2 ** 20:.1f} MiB written", flush=True)
+
+    hf_io.save_hf_weights(chunks, hf_config, out_dir, shard_size_mb, source_dir=hf_config_dir,
+                          dtype=None if dtype == "auto" else _torch_dtype(dtype), progress=progress)
+    _log(f"wrote HF checkpoint {out_dir}")
+
+
+def peak_rss_mib():
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _layout(args):
+    from parallel.mesh import Layout
+    return Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                  sequence_parallel=args.tp > 1 and args.sequence_parallel)
+
+
+def _run(args):
+    import torch.distributed as dist
+    layout = _layout(args)
+    if args.command == "hf-to-mcore":
+        hf_to_mcore(args.hf, args.out, layout, params_dtype=args.dtype)
+    else:
+        mcore_to_hf(args.ckpt, args.out, layout, hf_config_dir=args.hf_config,
+                    shard_size_mb=args.shard_size_mb, dtype=args.dtype)
+    if args.report_memory:
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak_rss_mib())
+        _log(f"peak RSS per rank (MiB): {', '.join(f'{p:.0f}' for p in peaks)}")
+
+
+def _spawned_rank(rank, args, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
+    _run(args)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
+    b.add_argument("--ckpt", required=True, help="Megatron dist checkpoint directory")
+    b.add_argument("--hf-config", default=None,
+                   help="HF directory with config.json (+ tokenizer); default: CKPT/hf_config")
+    b.add_argument("--shard-size-mb", type=float, default=2000)
+    for s in (a, b):
+        s.add_argument("--out", required=True, help="output directory (must not exist)")
+        s.add_argument("--tp", type=int, default=1)
+        s.add_argument("--pp", type=int, default=1)
+        s.add_argument("--vpp", type=int, default=None)
+        s.add_argument("--ep", type=int, default=1)
+        s.add_argument("--etp", type=int, default=None)
+        s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                       help="with tp > 1 (Megatron requires it for MoE with TP)")
+        s.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16")
+        s.add_argument("--nproc", type=int, default=None,
+                       help="spawn this many gloo ranks here instead of running under torchrun")
+        s.add_argument("--report-memory", action="store_true", help="print each rank's peak RSS")
+    args = p.parse_args(argv)
+    world = args.tp * args.pp
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc is None and "WORLD_SIZE" not in os.environ and world > 1:
+        p.error(f"layout tp={args.tp} x pp={args.pp} needs {world} ranks: add --nproc {world} "
+                "or run under torchrun")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.nproc and args.nproc > 1:
+            import torch.multiprocessing as mp
+            mp.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.nproc, join=True)
+        else:
+            if "WORLD_SIZE" not in os.environ:
+                os.environ.update(MASTER_PORT=str(_free_port()))
+            _run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
