@@ -98,6 +98,7 @@ class DataConfig:
     return_raw_chat: bool = False
     chat_template: bool = True  # format prompts with the tokenizer's chat template
     builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
+    builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
 
 

@@ -55,7 +55,8 @@ class MetricsLogger:
         self.loggers = tuple(loggers)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
-        self.run_dir = os.path.join(log_dir, project, experiment)
+        # project / experiment are sub-folders; None when log_dir is already the run's folder
+        self.run_dir = os.path.join(log_dir, *(p for p in (project, experiment) if p))
         self.jsonl_path = os.path.join(self.run_dir, "metrics.jsonl")
         self._writer = None
         self._jsonl = None
@@ -91,6 +92,19 @@ class MetricsLogger:
             self._jsonl.flush()
         if "console" in self.loggers:
             print(self.progress_line(scalars, step), file=self.stream, flush=True)
+
+    def truncate_after(self, step):
+        """A resumed run redoes the steps after its checkpoint: drop their old JSONL records."""
+        if not self.enabled or self._jsonl is None:
+            return
+        self._jsonl.close()
+        with open(self.jsonl_path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.jsonl_path)
+        self._jsonl = open(self.jsonl_path, "a")
 
     def progress_line(self, scalars, step):
         head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"

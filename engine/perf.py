@@ -1,0 +1,54 @@
+"""FLOP accounting and the peak FLOP/s that MFU is measured against.
+
+On a GPU the peak is the vendor's dense bf16 figure; on a CPU there is no honest datasheet
+number, so the peak is *measured*: the dense-matmul FLOP/s this machine reaches in this run,
+which makes MFU a ratio of two measurements taken side by side.
+"""
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks (FLOP/s), by substring of torch.cuda.get_device_name().
+GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12,
+                 "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
+
+
+def measure_matmul_flops(n=1024, dtype=torch.float32, seconds=1.0, threads=None):
+    """Best dense matmul FLOP/s over repeated n x n products (CPU, this process's threads)."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def peak_flops_per_rank(device, dtype=torch.float32):
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in GPU_PEAK_BF16.items():
+            if key in name:
+                return value
+        return None
+    return measure_matmul_flops(dtype=dtype, seconds=0.5)
+
+
+def step_flops(n_params, tokens, *, ppo_epochs=1, critic_epochs=1, critic=False, ref=False):
+    """Model FLOPs of one PPO step: 2 x params per token per forward pass.
+
+    generation (1 forward) + old log-prob (1) + ref (1) + values (1, with a critic) + actor update
+    (forward + backward = 3 per epoch) + critic update (3 per epoch). Attention's s^2 term is
+    left out: at RL response lengths of a few thousand tokens it is a few percent for 7B+.
+    """
+    passes = 1 + 1 + (1 if ref else 0) + 3 * ppo_epochs
+    if critic:
+        passes += 1 + 3 * critic_epochs
+    return 2.0 * n_params * tokens * passes

@@ -1,0 +1,185 @@
+"""`torchrun --nproc_per_node N -m engine.train RECIPE.yaml key=value ...`
+
+Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
+critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer.
+"""
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Components:
+    tokenizer: Any
+    hf_config: Any
+    actor: Any
+    ref: Optional[Any]
+    critic: Optional[Any]
+    rollout: Any
+    reward_fn: Any
+    train_data: Any
+    val_data: Optional[Any]
+    checkpoints: Optional[Any]
+    peak_flops: Optional[float]
+
+
+def load_hf_config(model_cfg, vocab_size=None):
+    """The HF config of the model: from `model.path`, or built from the inline `model.config`."""
+    import transformers
+    if model_cfg.path:
+        cfg = transformers.AutoConfig.from_pretrained(model_cfg.path,
+                                                      trust_remote_code=model_cfg.trust_remote_code)
+    else:
+        inline = dict(model_cfg.config)
+        model_type = inline.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("actor_rollout_ref.model.config needs a model_type (e.g. llama)")
+        cfg = transformers.AutoConfig.for_model(model_type, **inline)
+    for key, value in (model_cfg.override_config or {}).items():
+        setattr(cfg, key, value)
+    if not getattr(cfg, "architectures", None):
+        from engine.models.arch import architecture_of
+        cfg.architectures = [architecture_of(cfg)]
+    if vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise ValueError(f"the model's vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{vocab_size} tokens; set actor_rollout_ref.model.config.vocab_size >= "
+                         f"{vocab_size}")
+    return cfg
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+    model = cfg.actor_rollout_ref.model
+    path = model.tokenizer_path or model.path
+    if path:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+    if cfg.data.builtin_task:
+        from engine.tasks import build_tokenizer
+        return build_tokenizer()
+    raise ValueError("no tokenizer: set actor_rollout_ref.model.tokenizer_path or model.path")
+
+
+def load_datasets(cfg, tokenizer):
+    from engine.data import PromptDataset
+    data = cfg.data
+    kw = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length,
+              truncation=data.truncation, prompt_key=data.prompt_key,
+              apply_chat_template=data.chat_template)
+    if data.builtin_task:
+        from engine.tasks import make_builtin_task
+        train_rows, val_rows, _ = make_builtin_task(data.builtin_task, seed=data.seed,
+                                                    difficulty=data.builtin_task_difficulty)
+        return PromptDataset(train_rows, **kw), PromptDataset(val_rows, **kw)
+    train = PromptDataset(list(data.train_files), **kw)
+    val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
+    return train, val
+
+
+def copy_weights(src_chunks, dst_chunks):
+    """Same layout, same model: the reference starts as the actor."""
+    from parallel.shards import local_shards
+    src = {s.global_name: p for p, s in local_shards(src_chunks)}
+    with torch.no_grad():
+        for p, s in local_shards(dst_chunks):
+            if s.global_name in src and src[s.global_name].shape == p.shape:
+                p.copy_(src[s.global_name])
+
+
+def build(cfg, world_size) -> Components:
+    """Every component of a run, on this rank, from a validated config."""
+    from engine.config import derive
+    from engine.perf import peak_flops_per_rank
+    from engine.rewards.manager import RewardManager
+    from engine.rollout.base import make_rollout
+    from engine.workers.actor import ActorWorker, ReferenceWorker
+    from engine.workers.critic import CriticWorker
+    from parallel.mesh import Layout, init_mesh
+
+    tokenizer = load_tokenizer(cfg)
+    train_data, val_data = load_datasets(cfg, tokenizer)
+    derived = derive(cfg, world_size, dataset_len=len(train_data))
+    cfg = derived.config
+    arr = cfg.actor_rollout_ref
+    m = arr.actor.megatron
+    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
+    steps = cfg.trainer.total_training_steps
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    response_length = arr.rollout.response_length
+    actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
+                        response_length=response_length)
+    critic = ref = None
+    if derived.use_critic:
+        critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
+                              pad_token_id=pad, response_length=response_length)
+    if derived.use_reference:
+        ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    if arr.model.path:
+        from engine.models.hf_io import load_hf_weights
+        for worker in (w for w in (actor, ref, critic) if w is not None):
+            load_hf_weights(worker.chunks, arr.model.path)
+        for worker in (actor, critic):
+            if worker is not None and worker.optimizer is not None:
+                worker.optimizer.reload_model_params()
+    elif ref is not None:
+        copy_weights(actor.chunks, ref.chunks)
+    rollout = make_rollout(arr.rollout.name, hf_config,
+                           [tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids),
+                           pad_token_id=pad, **_rollout_kwargs(cfg))
+    reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    checkpoints = None
+    if cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable":
+        from engine.checkpoint import CheckpointManager
+        checkpoints = CheckpointManager(cfg.trainer.default_local_dir,
+                                        keep_last=cfg.trainer.max_actor_ckpt_to_keep)
+    peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
+    return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
+                               train_data, val_data, checkpoints, peak)
+
+
+def _rollout_kwargs(cfg):
+    r = cfg.actor_rollout_ref.rollout
+    if r.name == "sglang":
+        return dict(model_path=cfg.actor_rollout_ref.model.path,
+                    tensor_model_parallel_size=r.tensor_model_parallel_size,
+                    gpu_memory_utilization=r.gpu_memory_utilization,
+                    max_num_batched_tokens=r.max_num_batched_tokens, seed=r.seed)
+    return {}
+
+
+def main(argv=None):
+    from engine.config import load_config
+    from engine.trainer import Trainer, set_seed
+    from parallel.mesh import init_distributed
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print(__doc__.strip())
+        return 2
+    recipe, overrides = argv[0], argv[1:]
+    cfg = load_config(recipe, overrides)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    init_distributed()
+    set_seed(cfg.trainer.seed + dist.get_rank())
+    derived, components = build(cfg, dist.get_world_size())
+    trainer = Trainer(derived, components)
+    try:
+        trainer.fit()
+    finally:
+        components.rollout.shutdown()
+        components.reward_fn.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
