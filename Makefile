@@ -17,8 +17,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# A fresh run each time (resume_mode=disable); checkpoints still go to checkpoints/tiny_cpu_demo.
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) -m engine.train recipes/tiny_cpu_demo.yaml
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/tiny_cpu_demo.yaml trainer.resume_mode=disable $(ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/benchmark.py all

@@ -219,6 +219,7 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor's ppo_max_token_len_per_gpu
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # always generate response_length tokens (throughput benchmarks)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 

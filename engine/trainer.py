@@ -166,7 +166,8 @@ class Trainer:
             return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.response_length,
                                   stop_token_ids=tuple(self.eos_ids),
-                                  seed=r.seed + 1000003 * self.step_count, do_sample=r.do_sample)
+                                  seed=r.seed + 1000003 * self.step_count, do_sample=r.do_sample,
+                                  ignore_eos=r.ignore_eos)
         v = r.val_kwargs
         return SamplingParams(n=1 if greedy else v.n, temperature=0.0 if greedy else v.temperature,
                               top_p=v.top_p, top_k=v.top_k, max_new_tokens=r.response_length,

@@ -12,8 +12,14 @@ DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 MEG = "actor_rollout_ref.actor.megatron"
 
 
+# The batch sizes these tests reason about, pinned so tuning the demo recipe does not move them.
+PINNED = ["data.train_batch_size=16", "data.max_response_length=8", "actor_rollout_ref.rollout.n=4",
+          "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
+
+
 def demo(*overrides):
-    return load_config(DEMO, list(overrides))
+    return load_config(DEMO, PINNED + list(overrides))
 
 
 def error_of(fn, *args, **kwargs):

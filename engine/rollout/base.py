@@ -36,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: Optional[int] = None
     do_sample: bool = True
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

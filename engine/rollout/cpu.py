@@ -255,7 +255,8 @@ class CPURollout(RolloutEngine):
 
         generator = torch.Generator()
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)), dtype=torch.long)
+        stop = set() if sampling.ignore_eos else set(self.eos_token_ids) | set(sampling.stop_token_ids)
+        stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
         temperature = 1.0 if sampling.greedy else sampling.temperature
 
         responses = [[] for _ in range(rows)]

@@ -37,7 +37,7 @@ USED_API = {
                    "enable_deterministic_inference", "enable_return_routed_experts"],
     # keys of the per-request sampling_params dict (fields of sglang's SamplingParams)
     "SamplingParams": ["n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids",
-                       "sampling_seed"],
+                       "sampling_seed", "ignore_eos"],
     # keys read from each result's meta_info
     "meta_info": ["output_token_logprobs", "finish_reason", "routed_experts"],
 }
@@ -69,6 +69,8 @@ def sampling_dict(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> dic
                   stop_token_ids=sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed
+    if sampling.ignore_eos:
+        params["ignore_eos"] = True
     return params
 
 
