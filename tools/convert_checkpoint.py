@@ -68,7 +68,7 @@ def _shared_tmp_dir(out_dir):
 
 def _log(msg):
     import torch.distributed as dist
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
 
 
@@ -149,6 +149,45 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
     _log(f"wrote HF checkpoint {out_dir}")
 
 
+def gguf_to_hf(gguf_path, out_dir):
+    """A GGUF file (e.g. llama.cpp quantised) -> an fp32 HF safetensors directory.
+
+    transformers dequantises GGUF on load but refuses to save a model it considers quantised,
+    so the weights are moved into a plain model built from the same config and saved from
+    there, with the tokenizer (and its chat template) that the GGUF file carries.
+    """
+    import tempfile
+
+    import torch
+    import transformers
+
+    if not os.path.isfile(gguf_path):
+        raise ValueError(f"--gguf {gguf_path!r} is not a file; pass the path of a .gguf file")
+    if os.path.exists(out_dir):
+        raise ValueError(f"--out {out_dir!r} already exists; choose a new directory")
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                               dtype=torch.float32)
+    config = loaded.config
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(out_dir)) or ".")
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"wrote {out_dir} ({sum(p.numel() for p in plain.parameters()) / 1e6:.1f}M parameters)")
+    return out_dir
+
+
 def peak_rss_mib():
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -177,7 +216,12 @@ def _run(args):
 def _spawned_rank(rank, args, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc), LOCAL_RANK=str(rank))
-    _run(args)
+    try:
+        _run(args)
+    except ValueError as e:  # validation runs on every rank: each fails the same way
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _free_port():
@@ -196,6 +240,9 @@ def parse_args(argv=None):
     b.add_argument("--hf-config", default=None,
                    help="HF directory with config.json (+ tokenizer); default: CKPT/hf_config")
     b.add_argument("--shard-size-mb", type=float, default=2000)
+    g = sub.add_parser("gguf-to-hf", help="GGUF file -> fp32 HF safetensors (dequantised)")
+    g.add_argument("--gguf", required=True)
+    g.add_argument("--out", required=True, help="output directory (must not exist)")
     for s in (a, b):
         s.add_argument("--out", required=True, help="output directory (must not exist)")
         s.add_argument("--tp", type=int, default=1)
@@ -210,6 +257,8 @@ def parse_args(argv=None):
                        help="spawn this many gloo ranks here instead of running under torchrun")
         s.add_argument("--report-memory", action="store_true", help="print each rank's peak RSS")
     args = p.parse_args(argv)
+    if args.command == "gguf-to-hf":
+        return args
     world = args.tp * args.pp
     if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
@@ -222,9 +271,14 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.nproc and args.nproc > 1:
+        if args.command == "gguf-to-hf":
+            gguf_to_hf(args.gguf, args.out)
+        elif args.nproc and args.nproc > 1:
             import torch.multiprocessing as mp
-            mp.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.nproc, join=True)
+            try:
+                mp.spawn(_spawned_rank, args=(args, _free_port()), nprocs=args.nproc, join=True)
+            except mp.ProcessExitedException as e:
+                return 2 if e.exit_code == 2 else 1
         else:
             if "WORLD_SIZE" not in os.environ:
                 os.environ.update(MASTER_PORT=str(_free_port()))

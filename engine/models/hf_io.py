@@ -62,20 +62,7 @@ def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise ValueError(f"{path}: not a readable safetensors file ({e}); it is probably "
                              "truncated or corrupt: download or copy it again") from e
-        _check_complete(path)
     return out
-
-
-def _check_complete(path):
-    """A file cut short after its header still opens; its size tells."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    size = os.path.getsize(path)
-    if size < 8 + header_len + end:
-        raise ValueError(f"{path}: truncated safetensors file ({size} bytes, its header needs "
-                         f"{8 + header_len + end}): download or copy it again")
 
 
 def validate_checkpoint(hf_config, index) -> None:

@@ -32,6 +32,7 @@ class MicroBatch:
     labels: torch.Tensor          # the response token predicted at each of those positions
     response_lengths: List[int]   # per row, valid response tokens
     response_width: int           # R of the batch (response_mask.shape[1])
+    last_tokens: torch.Tensor     # flat index of each row's last valid token
 
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-prediction values [n] -> [rows, R] right-padded with zeros (differentiable)."""
@@ -58,7 +59,7 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
                      pad_id: int = 0, min_length: int = 0) -> MicroBatch:
     seqs = sample_sequences(batch.index_select(rows))
     width = batch["responses"].shape[1]
-    positions, labels = [], []
+    positions, labels, last = [], [], []
     if packed:
         p = pack([s for s, _, _ in seqs], pad_id=pad_id, multiple_of=multiple_of,
                  min_length=min_length)
@@ -75,9 +76,11 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
         pos = torch.arange(start + plen - 1, start + plen - 1 + rlen)
         positions.append(pos)
         labels.append(seq[plen: plen + rlen])
+        last.append(start + plen + rlen - 1)
     return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
                       positions=torch.cat(positions), labels=torch.cat(labels),
-                      response_lengths=[r for _, _, r in seqs], response_width=width)
+                      response_lengths=[r for _, _, r in seqs], response_width=width,
+                      last_tokens=torch.tensor(last))
 
 
 class MegatronWorker:

@@ -1,0 +1,467 @@
+"""Save and resume everything a run needs: model weights, optimizer, LR scheduler, trainer state
+(step, data loader position, KL controller ...) and every rank's RNG states.
+
+Layout of `root_dir`:
+
+    global_step_{N}/
+        {worker}/                  Megatron dist_checkpointing directory per worker ("actor", ...):
+                                   model chunks, optimizer state, LR scheduler
+        rng/rank_{r}.pt            python / numpy / torch (+ CUDA) / Megatron-tracker RNG states
+        trainer_state.pt           the trainer's dict (pickled, rank 0)
+        meta.json                  step, world size, layout, workers, what was saved
+        manifest.json              size + sha256 of every other file (written last)
+    latest_checkpointed_iteration.txt   the newest step (verl's name), replaced atomically
+
+Atomicity: everything is written into `.tmp-step_{N}` and renamed to `global_step_{N}` by rank 0
+only after every rank finished writing and the manifest is on disk. A crash at any point (even
+SIGKILL) leaves earlier checkpoints untouched; a directory is a checkpoint only under its final
+name, and a leftover `.tmp-*` is ignored by `latest()` and removed by the next `save()`.
+All ranks must see the same filesystem (as dist_checkpointing itself requires).
+
+Resharding: model weights load at any TP/PP/DP layout (dist_checkpointing stores global
+tensors). The distributed optimizer is saved in Megatron's `dp_reshardable` form by default:
+it resumes at a different DP size but needs the same TP/PP; `optim_sharding="fully_reshardable"`
+(gathered on DP rank 0 while saving: slower, more memory) lifts that. To change TP/PP with a
+`dp_reshardable` checkpoint, load with `load_optimizer=False`.
+"""
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "global_step_"
+TMP_PREFIX = ".tmp-"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+RESUME_MODES = ("auto", "disable", "resume_path")
+OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+_WORKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, corrupted or not matching the model."""
+
+
+# -- distributed helpers (work without torch.distributed too) ---------------------------------
+def _world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _on_rank0_then_share(fn):
+    """Run `fn()` on rank 0; every rank gets its result or raises its error (as ValueError /
+    RuntimeError), so no rank is left waiting in a collective after a failure on rank 0."""
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # shared, then raised on every rank
+            box[0] = ("error", (type(e), str(e)))
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        cls, msg = value
+        raise (cls if issubclass(cls, ValueError) else RuntimeError)(msg)
+    return value
+
+
+def _raise_if_any(message: Optional[str]):
+    """Every rank raises if any rank found a problem (the first rank's message)."""
+    messages = [message]
+    if dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+    found = [m for m in messages if m]
+    if found:
+        raise CheckpointError(found[0])
+
+
+# -- files ------------------------------------------------------------------------------------
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path, data: bytes):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _sha256(path, block=1 << 22):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files_under(directory):
+    out = []
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(dirpath, name), directory))
+    return sorted(f for f in out if f != MANIFEST_FILE)
+
+
+def write_manifest(directory):
+    files = {f: dict(size=os.path.getsize(os.path.join(directory, f)),
+                     sha256=_sha256(os.path.join(directory, f))) for f in _files_under(directory)}
+    _write_atomic(os.path.join(directory, MANIFEST_FILE),
+                  json.dumps(dict(version=FORMAT_VERSION, files=files), indent=1).encode())
+
+
+def verify_manifest(directory):
+    """Raise CheckpointError naming the first missing, extra-sized or corrupted file."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {directory!r} has no {MANIFEST_FILE}: it is incomplete "
+                              "(a save that did not finish); resume from another checkpoint")
+    with open(path) as f:
+        files = json.load(f)["files"]
+    for rel, want in files.items():
+        full = os.path.join(directory, rel)
+        if not os.path.exists(full):
+            raise CheckpointError(f"checkpoint {directory!r} is missing the file {rel!r} listed in "
+                                  f"its {MANIFEST_FILE}; the checkpoint is damaged, use another one")
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            raise CheckpointError(f"checkpoint file {full!r} has {size} bytes, its manifest says "
+                                  f"{want['size']}; the file is corrupted, use another checkpoint")
+        if _sha256(full) != want["sha256"]:
+            raise CheckpointError(f"checkpoint file {full!r} does not match the sha256 in its "
+                                  f"{MANIFEST_FILE}; the file is corrupted, use another checkpoint")
+
+
+# -- RNG --------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    state = dict(python=random.getstate(), numpy=np.random.get_state(),
+                 torch=torch.get_rng_state(), tracker=get_cuda_rng_tracker().get_states())
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# -- what a worker contributes ----------------------------------------------------------------
+def _model_keys(worker):
+    """Megatron's nesting: one chunk -> "model", virtual stages -> "model0", "model1", ..."""
+    n = len(worker.models)
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _model_sharded_state_dict(worker) -> dict:
+    return {key: m.sharded_state_dict() for key, m in zip(_model_keys(worker), worker.models)}
+
+
+def _torch_optimizers(worker):
+    opt = worker.optimizer
+    return [getattr(o, "optimizer", o) for o in getattr(opt, "chained_optimizers", [opt])]
+
+
+def _has_optimizer_state(worker) -> bool:
+    """Megatron's optimizer state exists only after the first step (then on every rank)."""
+    if worker.optimizer is None:
+        return False
+    inner = _torch_optimizers(worker)
+    flag = torch.tensor([int(all(len(o.state) > 0 for o in inner))])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+@torch.no_grad()
+def _create_optimizer_state(worker):
+    """A fresh optimizer has no state to load into (and Megatron's distributed optimizer cannot
+    describe itself without it): one step on zero gradients creates it; the load overwrites
+    every value it creates, including the parameters."""
+    for opt in _torch_optimizers(worker):
+        if len(opt.state) > 0:
+            continue
+        params = [p for group in opt.param_groups for p in group["params"] if p.numel() > 0]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in params:
+            p.grad = None
+
+
+def _optim_metadata(sharding):
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+
+
+def _layout():
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():  # trainer state only
+        return dict(world_size=_world())
+    return dict(tp=ps.get_tensor_model_parallel_world_size(),
+                pp=ps.get_pipeline_model_parallel_world_size(),
+                vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+                cp=ps.get_context_parallel_world_size(),
+                ep=ps.get_expert_model_parallel_world_size(),
+                dp=ps.get_data_parallel_world_size(), world_size=_world())
+
+
+def _check_model_matches(name, worker, directory):
+    """Clear error (on every rank) when the checkpoint's model tensors are not this model's."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    saved = {k: tuple(v.global_shape)
+             for k, v in dist_checkpointing.load_tensors_metadata(directory).items()}
+    wanted = _model_sharded_state_dict(worker)
+    apply_factories(wanted)  # a throwaway copy: only the keys and global shapes are read
+    problem = None
+    keys = set()
+    for t in nested_values(wanted):
+        if not isinstance(t, ShardedTensor):
+            continue
+        keys.add(t.key)
+        if t.key not in saved:
+            problem = (f"worker {name!r}: the checkpoint {directory!r} has no tensor {t.key!r}; "
+                       "it was saved from a different model architecture. Build the model the "
+                       "checkpoint was saved from (same HF config) or start without resuming")
+            break
+        if saved[t.key] != tuple(t.global_shape):
+            problem = (f"worker {name!r}: tensor {t.key!r} has shape {saved[t.key]} in the "
+                       f"checkpoint {directory!r} but {tuple(t.global_shape)} in this model; it "
+                       "was saved from a different model size. Build the model the checkpoint "
+                       "was saved from (same HF config) or start without resuming")
+            break
+    _raise_if_any(problem)
+    # tensors no rank asks for (e.g. a value head the model lacks) mean another architecture
+    all_keys = [keys]
+    if dist.is_initialized():
+        all_keys = [None] * _world()
+        dist.all_gather_object(all_keys, keys)
+    model_saved = {k for k in saved if not k.startswith("optimizer.")}
+    unexpected = sorted(model_saved - set().union(*all_keys))
+    if unexpected:
+        raise CheckpointError(
+            f"worker {name!r}: the checkpoint {directory!r} has tensors this model does not: "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; it was saved from a "
+            "different model architecture")
+
+
+# -- the manager ------------------------------------------------------------------------------
+class CheckpointManager:
+    """Checkpoints under `root_dir`; collective: every rank calls `save` / `load` together.
+
+    keep_last: keep this many newest checkpoints (None: all); older ones are deleted only
+    after a new one is complete.
+    """
+
+    def __init__(self, root_dir: str, keep_last: Optional[int] = None, rank: Optional[int] = None,
+                 optim_sharding: str = "dp_reshardable"):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or None for all "
+                             "(trainer.max_actor_ckpt_to_keep)")
+        if optim_sharding not in OPTIM_SHARDINGS:
+            raise ValueError(f"optim_sharding={optim_sharding!r}; use one of {OPTIM_SHARDINGS}")
+        self.root_dir = os.path.abspath(root_dir)
+        self.keep_last = keep_last
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.optim_sharding = optim_sharding
+
+    # -- finding checkpoints ------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root_dir, f"{STEP_PREFIX}{step}")
+
+    def complete_steps(self):
+        """Steps of complete checkpoints (final name + manifest), ascending."""
+        if not os.path.isdir(self.root_dir):
+            return []
+        steps = []
+        for name in os.listdir(self.root_dir):
+            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+                if os.path.exists(os.path.join(self.root_dir, name, MANIFEST_FILE)):
+                    steps.append(int(name[len(STEP_PREFIX):]))
+        return sorted(steps)
+
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint, or None. Directory listing, not the tracker file, is
+        the truth: a crash between the rename and the tracker update loses nothing."""
+        steps = self.complete_steps()
+        return self.step_dir(steps[-1]) if steps else None
+
+    def resolve(self, resume_mode: str, resume_from_path: Optional[str] = None) -> Optional[str]:
+        """`trainer.resume_mode`: auto -> latest() (None for a fresh run); disable -> None;
+        resume_path -> `resume_from_path`, which must be a complete checkpoint."""
+        if resume_mode not in RESUME_MODES:
+            raise ValueError(f"trainer.resume_mode={resume_mode!r}; use one of {RESUME_MODES}")
+        if resume_mode == "disable":
+            return None
+        if resume_mode == "auto":
+            return self.latest()
+        if not resume_from_path:
+            raise ValueError("trainer.resume_from_path is empty but trainer.resume_mode="
+                             "'resume_path'; give the global_step_N directory to resume from")
+        path = os.path.abspath(resume_from_path)
+        if not os.path.isdir(path):
+            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} does not exist; give "
+                             "an existing global_step_N directory or use trainer.resume_mode=auto")
+        if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} is not a complete "
+                             f"checkpoint (no {MANIFEST_FILE}: the save did not finish); pick "
+                             "another global_step_N directory")
+        return path
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, workers: Dict[str, object], trainer_state: dict) -> str:
+        """Save every worker, this rank's RNG and (rank 0) `trainer_state`; return the final
+        directory. Collective over all ranks."""
+        from megatron.core import dist_checkpointing
+
+        for name in workers:
+            if not _WORKER_NAME.match(name) or name == RNG_DIR:
+                raise ValueError(f"worker name {name!r}: use letters, digits and '_' (not {RNG_DIR!r})")
+        tmp = os.path.join(self.root_dir, f"{TMP_PREFIX}step_{step}")
+        names = sorted(workers)
+
+        def prepare():
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._remove_leftovers()
+            for name in names:
+                os.makedirs(os.path.join(tmp, name))
+            os.makedirs(os.path.join(tmp, RNG_DIR))
+        _on_rank0_then_share(prepare)
+
+        saved = {}
+        for name in names:
+            worker = workers[name]
+            state = _model_sharded_state_dict(worker)
+            with_optim = _has_optimizer_state(worker)
+            if with_optim:
+                state["optimizer"] = worker.optimizer.sharded_state_dict(
+                    dict(state), metadata=_optim_metadata(self.optim_sharding))
+            if worker.scheduler is not None:
+                state["scheduler"] = worker.scheduler.state_dict()
+            dist_checkpointing.save(state, os.path.join(tmp, name))
+            saved[name] = dict(optimizer=with_optim, scheduler=worker.scheduler is not None,
+                               chunks=len(worker.models))
+        torch.save(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"))
+        _barrier()
+
+        def publish():
+            torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
+            meta = dict(version=FORMAT_VERSION, step=step, layout=_layout(), workers=saved,
+                        optim_sharding=self.optim_sharding)
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump(meta, f, indent=1)
+            write_manifest(tmp)  # the last file: its presence marks the checkpoint complete
+            final = self.step_dir(step)
+            if os.path.exists(final):  # re-saving a step: move the old one aside first
+                os.rename(final, os.path.join(self.root_dir, f"{TMP_PREFIX}old-step_{step}"))
+            os.rename(tmp, final)
+            _fsync_dir(self.root_dir)
+            _write_atomic(os.path.join(self.root_dir, TRACKER_FILE), f"{step}\n".encode())
+            self._prune()
+            self._remove_leftovers()
+            return final
+        final = _on_rank0_then_share(publish)
+        _barrier()
+        return final
+
+    def _remove_leftovers(self):
+        for name in os.listdir(self.root_dir):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(self.root_dir, name), ignore_errors=True)
+
+    def _prune(self):
+        if self.keep_last is None:
+            return
+        for step in self.complete_steps()[:-self.keep_last]:
+            # rename first, so a crash mid-delete never leaves a half-deleted "complete" dir
+            doomed = os.path.join(self.root_dir, f"{TMP_PREFIX}delete-step_{step}")
+            os.rename(self.step_dir(step), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- loading ------------------------------------------------------------------------------
+    def load(self, path: str, workers: Dict[str, object], *, load_optimizer: bool = True,
+             verify: bool = True) -> dict:
+        """Restore `workers` (models, optimizers, schedulers) and this rank's RNG from `path`;
+        return the trainer state. Collective over all ranks."""
+        from megatron.core import dist_checkpointing
+
+        path = os.path.abspath(path)
+
+        def check():
+            if not os.path.isdir(path):
+                raise CheckpointError(f"checkpoint {path!r} does not exist")
+            if verify:
+                verify_manifest(path)
+            elif not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+                raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST_FILE})")
+            with open(os.path.join(path, META_FILE)) as f:
+                return json.load(f)
+        meta = _on_rank0_then_share(check)
+
+        for name in sorted(workers):
+            worker, directory = workers[name], os.path.join(path, name)
+            if name not in meta["workers"]:
+                raise CheckpointError(f"checkpoint {path!r} has no worker {name!r} (it has "
+                                      f"{sorted(meta['workers'])})")
+            _check_model_matches(name, worker, directory)
+            info = meta["workers"][name]
+            state = _model_sharded_state_dict(worker)
+            with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
+            if with_optim:
+                _create_optimizer_state(worker)
+                state["optimizer"] = worker.optimizer.sharded_state_dict(
+                    dict(state), is_loading=True, metadata=_optim_metadata(meta["optim_sharding"]))
+            loaded = dist_checkpointing.load(state, directory)
+            for key, model in zip(_model_keys(worker), worker.models):
+                model.load_state_dict(loaded[key], strict=True)
+            if with_optim:
+                with torch.no_grad():  # fp32 main params are views of the model's parameters
+                    worker.optimizer.load_state_dict(loaded["optimizer"])
+            if load_optimizer and worker.scheduler is not None and "scheduler" in loaded:
+                worker.scheduler.load_state_dict(loaded["scheduler"])
+
+        rng_file = os.path.join(path, RNG_DIR, f"rank_{self.rank}.pt")
+        if meta["layout"]["world_size"] == _world() and os.path.exists(rng_file):
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            logger.warning("checkpoint %s was saved on %s ranks, this run has %s: RNG states are "
+                           "not restored", path, meta["layout"]["world_size"], _world())
+        trainer_state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        _barrier()
+        return trainer_state

@@ -1,0 +1,37 @@
+"""A reward model on Megatron: the scalar head's value at each sequence's last token.
+
+Same model as the critic (a language model trunk with a scalar head); a HuggingFace
+`*ForSequenceClassification` checkpoint maps its `score.weight` onto the head.
+"""
+import torch
+
+from engine.batch import Batch
+from engine.workers.base import MegatronWorker
+
+
+class RewardModelWorker(MegatronWorker):
+    def __init__(self, hf_config, rm_cfg, *, pad_token_id=0):
+        super().__init__(hf_config, megatron_cfg=rm_cfg.megatron, model_cfg=rm_cfg.model,
+                         head="value", pad_token_id=pad_token_id)
+        self.cfg = rm_cfg
+        for p in (p for c in self.chunks for p in c.parameters()):
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def compute_scores(self, batch: Batch) -> torch.Tensor:
+        """[B] scores: the head's output at the last valid token of prompt + response."""
+        for c in self.chunks:
+            c.eval()
+        micro = self.micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
+
+        def head(output, mb):
+            scores = output.reshape(-1)[mb.last_tokens].float()
+            return scores.sum() * 0.0, dict(rows=mb.rows, scores=scores)
+
+        infos = self.run(micro, head, forward_only=True)
+        full = None
+        if self.is_last_stage:
+            full = torch.zeros(len(batch))
+            for info in infos:
+                full[info["rows"]] = info["scores"]
+        return self.broadcast_from_last_stage(full, (len(batch),))

@@ -1,0 +1,324 @@
+"""engine.checkpoint: a resumed run continues exactly as if it had never stopped.
+
+The real test of a resume: after one PPO step, save; then (a) the original worker and (b) a fresh
+worker (different initial weights) loaded from the checkpoint both take the same second step,
+and their weights must agree bit for bit. That holds only if the weights, Adam's moments and
+step count, and the LR schedule (cosine: the second step's lr differs from the first's) were
+all restored. Crash safety, retention, checksums and shape validation are checked directly.
+"""
+import contextlib
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+from tests.test_layouts import _weight_for
+from tests.test_ppo_update import B, R, _batch, _configs
+from tests.tiny_models import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def _writer_processes_allowed():
+    """Megatron's torch_dist writer forks writer processes and keeps a Manager process for their
+    results; the test pool's workers are daemons (which may not have children). Allow it, and
+    stop the Manager afterwards so no process outlives the pool."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from tests.test_hf_parity import may_have_children
+    with may_have_children():
+        try:
+            yield
+        finally:
+            queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+            if queue is not None:
+                queue._manager.shutdown()
+
+
+def _actor(hf=None, weight_salt=""):
+    """An actor with a cosine LR schedule over 4 steps, weights generated from their names."""
+    from engine.workers.actor import ActorWorker
+    from parallel.shards import load_global, local_shards
+
+    actor_cfg, _, model_cfg = _configs()
+    actor_cfg = dataclasses.replace(
+        actor_cfg, optim=dataclasses.replace(actor_cfg.optim, lr_decay_style="cosine"))
+    worker = ActorWorker(hf or tiny_config("llama"), actor_cfg, model_cfg, total_steps=4,
+                         response_length=R)
+    shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
+    load_global(worker.chunks, lambda n: _weight_for(n + weight_salt, shapes[n]))
+    return worker
+
+
+def _ppo_step(worker, seed):
+    from megatron.core import parallel_state as ps
+    batch = _batch(worker.hf_config.vocab_size, seed=seed)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
+    worker.mini_batch_size_per_rank = len(mine)
+    old = worker.compute_log_prob(mine, micro_batch_size=2)
+    mine["old_log_probs"] = old + mine["noise"] * mine["response_mask"]
+    mine["ref_log_prob"] = old - 0.5 * mine["noise"] * mine["response_mask"]
+    return worker.update_policy(mine)
+
+
+def _weights(worker):
+    from parallel.shards import iter_global
+    return {n: t.clone() for n, t in iter_global(worker.chunks, "param")}
+
+
+def _draws():
+    return (random.random(), float(np.random.rand()), torch.rand(3))
+
+
+def _resume_run(layout_kwargs, root):
+    with _writer_processes_allowed():
+        return _resume_run_impl(layout_kwargs, root)
+
+
+def _resume_run_impl(layout_kwargs, root):
+    from engine.algorithms.kl import AdaptiveKLController
+    from engine.checkpoint import CheckpointManager
+    from parallel.mesh import Layout, init_mesh
+
+    init_mesh(Layout(**layout_kwargs), seed=1)
+    original = _actor()
+    _ppo_step(original, seed=3)
+    kl = AdaptiveKLController(0.1, target_kl=0.05, horizon=100)
+    kl.update(0.2, 8)
+    trainer_state = dict(global_steps=1, data=dict(epoch=0, consumed=8), kl_ctrl=kl.state_dict())
+    manager = CheckpointManager(root)
+    path = manager.save(1, {"actor": original}, trainer_state)
+    draws_after_save = _draws()
+    at_save = _weights(original)
+    lr_at_save = original.optimizer.param_groups[0]["lr"]
+    _ppo_step(original, seed=4)
+
+    restored = _actor(weight_salt="-other")
+    differed = any(not torch.equal(t, at_save[n]) for n, t in _weights(restored).items())
+    _draws()  # move every generator away from the saved states
+    resumed_state = manager.load(manager.latest(), {"actor": restored})
+    draws_after_load = _draws()
+    loaded = _weights(restored)
+    lr_loaded = restored.optimizer.param_groups[0]["lr"]
+    _ppo_step(restored, seed=4)
+    return dict(path=path, latest=manager.latest(), differed=differed, at_save=at_save,
+                loaded=loaded, lr=(lr_at_save, lr_loaded), draws=(draws_after_save, draws_after_load),
+                continued=_weights(original), resumed=_weights(restored),
+                trainer_state=(trainer_state, resumed_state))
+
+
+LAYOUTS = [("dp2", {}), ("tp2", dict(tp=2)), ("pp2", dict(pp=2))]
+
+
+@pytest.mark.parametrize("layout", [l for _, l in LAYOUTS], ids=[n for n, _ in LAYOUTS])
+def test_resume_continues_bit_exactly(layout, tmp_path):
+    results = run_on_ranks(_resume_run, 2, layout, str(tmp_path))
+    assert results[0]["path"] == str(tmp_path / "global_step_1") == results[0]["latest"]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+    for res in results:
+        assert res["differed"], "the fresh worker must start from other weights"
+        assert res["loaded"].keys() == res["at_save"].keys()
+        for name, tensor in res["at_save"].items():
+            assert torch.equal(res["loaded"][name], tensor), name
+        lr_saved, lr_loaded = res["lr"]
+        assert lr_loaded == lr_saved
+        saved_draws, loaded_draws = res["draws"]
+        assert saved_draws[:2] == loaded_draws[:2]
+        assert torch.equal(saved_draws[2], loaded_draws[2])
+        assert res["trainer_state"][1] == res["trainer_state"][0]
+        moved = 0
+        for name, tensor in res["continued"].items():
+            assert torch.equal(res["resumed"][name], tensor), f"after the next step: {name}"
+            moved += int(not torch.equal(tensor, res["at_save"][name]))
+        assert moved > len(res["continued"]) // 2, "the second step should move most weights"
+
+
+def _reshard_run(root):
+    with _writer_processes_allowed():
+        return _reshard_run_impl(root)
+
+
+def _reshard_run_impl(root):
+    from engine.checkpoint import CheckpointError, CheckpointManager
+    from parallel.mesh import Layout, init_mesh
+
+    init_mesh(Layout(tp=2), seed=1)
+    saved_from = _actor()
+    _ppo_step(saved_from, seed=3)
+    manager = CheckpointManager(root)
+    manager.save(1, {"actor": saved_from}, {"global_steps": 1})
+    saved = _weights(saved_from)
+
+    init_mesh(Layout(), seed=1)  # TP=1: both ranks are data-parallel replicas
+    at_tp1 = _actor(weight_salt="-other")
+    manager.load(manager.latest(), {"actor": at_tp1}, load_optimizer=False)
+    out = dict(saved=saved, loaded=_weights(at_tp1), errors={})
+    for label, hf in (("smaller", tiny_config("llama", intermediate_size=48)),
+                      ("fewer_layers", tiny_config("llama", num_hidden_layers=2)),
+                      ("tied", tiny_config("llama", tie_word_embeddings=True))):
+        try:
+            manager.load(manager.latest(), {"actor": _actor(hf)}, load_optimizer=False)
+        except CheckpointError as e:
+            out["errors"][label] = str(e)
+    return out
+
+
+def test_weights_load_at_another_layout_and_other_shapes_fail_clearly(tmp_path):
+    results = run_on_ranks(_reshard_run, 2, str(tmp_path))
+    for res in results:
+        assert res["loaded"].keys() == res["saved"].keys()
+        for name, tensor in res["saved"].items():
+            assert torch.equal(res["loaded"][name], tensor), name
+    errors = results[0]["errors"]
+    assert set(errors) == {"smaller", "fewer_layers", "tied"}, errors
+    assert "linear_fc1.weight" in errors["smaller"] and "different model size" in errors["smaller"]
+    assert "(4, " in errors["fewer_layers"] and "(2, " in errors["fewer_layers"]
+    assert "output_layer.weight" in errors["tied"]
+
+
+def _save_and_fail(root):
+    """Two ranks save step 1, then crash in the middle of saving step 2 (after the worker files
+    are written); then load step 1 and save step 3."""
+    with _writer_processes_allowed():
+        from engine import checkpoint
+        from parallel.mesh import Layout, init_mesh
+
+        init_mesh(Layout(), seed=1)
+        worker = _actor()
+        _ppo_step(worker, seed=3)
+        manager = checkpoint.CheckpointManager(root)
+        manager.save(1, {"actor": worker}, {"global_steps": 1})
+        real = checkpoint.rng_state
+        checkpoint.rng_state = lambda: (_ for _ in ()).throw(OSError("disk full (simulated)"))
+        failed = None
+        try:
+            manager.save(2, {"actor": worker}, {"global_steps": 2})
+        except OSError as e:
+            failed = str(e)
+        finally:
+            checkpoint.rng_state = real
+        left = sorted(os.listdir(root))
+        latest = manager.latest()
+        state = manager.load(latest, {"actor": worker})
+        manager.save(3, {"actor": worker}, {"global_steps": 3})
+        return dict(failed=failed, left=left, latest=latest, state=state,
+                    after=sorted(os.listdir(root)))
+
+
+def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
+    res = run_on_ranks(_save_and_fail, 2, str(tmp_path))[0]
+    assert res["failed"] == "disk full (simulated)"
+    assert ".tmp-step_2" in res["left"] and "global_step_2" not in res["left"]
+    assert res["latest"] == str(tmp_path / "global_step_1")
+    assert res["state"] == {"global_steps": 1}
+    assert res["after"] == ["global_step_1", "global_step_3", "latest_checkpointed_iteration.txt"]
+
+
+_KILLED_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    from engine import checkpoint
+    manager = checkpoint.CheckpointManager({ckpt!r})
+    manager.save(1, {{}}, {{"global_steps": 1}})
+    real = checkpoint.write_manifest
+    def die(directory):
+        real(directory)  # the new checkpoint is fully written, only the rename is missing
+        os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.write_manifest = die
+    manager.save(2, {{}}, {{"global_steps": 2}})
+""")
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    from engine.checkpoint import CheckpointManager
+
+    ckpt = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE.format(root=ROOT, ckpt=ckpt)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert sorted(os.listdir(ckpt)) == [".tmp-step_2", "global_step_1",
+                                        "latest_checkpointed_iteration.txt"]
+    manager = CheckpointManager(ckpt)
+    assert manager.latest() == os.path.join(ckpt, "global_step_1")
+    assert manager.resolve("auto") == manager.latest()
+    assert manager.load(manager.latest(), {}) == {"global_steps": 1}
+    manager.save(3, {}, {"global_steps": 3})
+    assert sorted(os.listdir(ckpt)) == ["global_step_1", "global_step_3",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+def test_keep_last_deletes_older_checkpoints_after_the_new_one(tmp_path):
+    from engine.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path), keep_last=2)
+    for step in (10, 20, 30, 40):
+        manager.save(step, {}, {"global_steps": step})
+    assert manager.complete_steps() == [30, 40]
+    assert sorted(os.listdir(tmp_path)) == ["global_step_30", "global_step_40",
+                                            "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "40\n"
+    assert manager.load(manager.latest(), {}) == {"global_steps": 40}
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointManager(str(tmp_path), keep_last=0)
+
+
+def test_rng_round_trip_without_workers(tmp_path):
+    from engine.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path))
+    manager.save(1, {}, {"global_steps": 1})
+    expected = _draws()
+    _draws()
+    manager.load(manager.latest(), {})
+    got = _draws()
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupted_file_is_named(tmp_path, damage):
+    from engine.checkpoint import CheckpointError, CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path))
+    path = manager.save(1, {}, {"global_steps": 1, "blob": list(range(1000))})
+    target = os.path.join(path, "trainer_state.pt")
+    data = bytearray(open(target, "rb").read())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        open(target, "wb").write(bytes(data))
+    elif damage == "truncate":
+        open(target, "wb").write(bytes(data[:-10]))
+    else:
+        os.remove(target)
+    with pytest.raises(CheckpointError, match="trainer_state.pt"):
+        manager.load(path, {})
+
+
+def test_resolve_modes(tmp_path):
+    from engine.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path / "run"))
+    assert manager.latest() is None
+    assert manager.resolve("auto") is None
+    path = manager.save(5, {}, {"global_steps": 5})
+    assert manager.resolve("auto") == path
+    assert manager.resolve("disable") is None
+    assert manager.resolve("resume_path", path) == path
+    with pytest.raises(ValueError, match="does not exist"):
+        manager.resolve("resume_path", str(tmp_path / "nowhere"))
+    incomplete = tmp_path / "run" / "global_step_9"
+    incomplete.mkdir()
+    assert manager.latest() == path  # a directory without a manifest is not a checkpoint
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        manager.resolve("resume_path", str(incomplete))
+    with pytest.raises(ValueError, match="resume_mode='sometimes'"):
+        manager.resolve("sometimes")

@@ -1,0 +1,97 @@
+"""A plain transformers GRPO loop doing the same work as one Trident step, for comparison.
+
+Per step and per rank (its share of the prompts, 1 thread, no gradient sync — which favours
+the baseline): `model.generate` with a KV cache, the old log-probs and the reference log-probs
+(full-logits forwards), then forward + backward + Adam over the same mini/micro-batches.
+"""
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(rank, nproc, recipe, overrides, steps, out):
+    sys.path.insert(0, ROOT)
+    import torch
+    import transformers
+
+    from engine.config import derive, load_config
+    from engine.tasks import make_builtin_task
+    from engine.train import load_hf_config
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    cfg = load_config(recipe, list(overrides) + [f"trainer.n_gpus_per_node={nproc}"])
+    d = derive(cfg, nproc, dataset_len=10_000)
+    cfg = d.config
+    arr = cfg.actor_rollout_ref
+    hf = load_hf_config(arr.model)
+    policy = transformers.AutoModelForCausalLM.from_config(hf)
+    ref = transformers.AutoModelForCausalLM.from_config(hf)
+    ref.load_state_dict(policy.state_dict())
+    opt = torch.optim.Adam(policy.parameters(), lr=arr.actor.optim.lr)
+    rows, _, tok = make_builtin_task(cfg.data.builtin_task or "arith", seed=0, n_train=4096, n_val=1)
+    prompts_per_rank = cfg.data.train_batch_size // nproc
+    n, width = arr.rollout.n, arr.rollout.response_length
+    mini = d.actor.mini_batch_size_per_rank
+    micro = arr.actor.ppo_micro_batch_size_per_gpu
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = [tok.apply_chat_template(rows[(step * 64 + i) % len(rows)]["prompt"],
+                                         tokenize=True)["input_ids"]
+                 for i in range(prompts_per_rank)]
+        longest = max(len(b) for b in batch)
+        ids = torch.full((len(batch), longest), tok.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, b in enumerate(batch):
+            ids[i, longest - len(b):] = torch.tensor(b)
+            mask[i, longest - len(b):] = 1
+        with torch.no_grad():
+            seqs = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                   max_new_tokens=width, min_new_tokens=width,
+                                   num_return_sequences=n, pad_token_id=tok.pad_token_id)
+        full_mask = torch.cat([mask.repeat_interleave(n, 0), torch.ones(seqs.shape[0], width, dtype=torch.long)], 1)
+
+        def logp(model, s, m):
+            logits = model(input_ids=s, attention_mask=m).logits[:, longest - 1:-1].float()
+            return torch.log_softmax(logits, -1).gather(-1, s[:, longest:, None]).squeeze(-1)
+
+        with torch.no_grad():
+            old = torch.cat([logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
+                             for i in range(0, len(seqs), micro)])
+            refl = torch.cat([logp(ref, seqs[i:i + micro], full_mask[i:i + micro])
+                              for i in range(0, len(seqs), micro)])
+        adv = torch.randn(len(seqs), 1)
+        for start in range(0, len(seqs), mini):
+            opt.zero_grad()
+            for i in range(start, min(start + mini, len(seqs)), micro):
+                lp = logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
+                ratio = torch.exp(lp - old[i:i + micro])
+                loss = -(torch.minimum(ratio * adv[i:i + micro],
+                                       ratio.clamp(0.8, 1.2) * adv[i:i + micro])).mean()
+                loss = loss + 0.001 * (lp - refl[i:i + micro]).pow(2).mean()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+        times.append(time.perf_counter() - t0)
+    out.put((rank, times))
+
+
+def run_baseline(recipe, overrides, nproc, steps):
+    """Median seconds per step of the slowest rank (after the first, warm-up, step)."""
+    import multiprocessing as mp
+    import statistics
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, nproc, recipe, overrides, steps, out))
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    per_step = [max(results[r][s] for r in results) for s in range(steps)]
+    return statistics.median(per_step[1:] or per_step)

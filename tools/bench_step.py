@@ -1,0 +1,120 @@
+"""PPO/GRPO step throughput: tokens/s per rank, MFU, the phase split and peak memory.
+
+Runs the real trainer (`torchrun -m engine.train`) on a recipe or a named synthetic workload for
+warm-up + measured steps and summarises its metrics.jsonl. MFU on CPU is measured against the
+dense-matmul FLOP/s each rank reaches in the same run (engine.perf), so it is a ratio of two
+measurements, not a datasheet figure. `--baseline` also times a plain transformers loop doing
+the same work (generate, log-probs, reference, backward + Adam) for comparison.
+
+    python tools/benchmark.py step --workload 75m --steps 3
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
+PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic",
+          "update_actor", "update_weights")
+
+
+def _model(hidden, layers, heads, kv, ffn, vocab=20):
+    p = "actor_rollout_ref.model.config."
+    return [f"{p}hidden_size={hidden}", f"{p}num_hidden_layers={layers}",
+            f"{p}num_attention_heads={heads}", f"{p}num_key_value_heads={kv}",
+            f"{p}intermediate_size={ffn}", f"{p}vocab_size={vocab}",
+            f"{p}max_position_embeddings=512"]
+
+
+def _shape(prompts, n, response, mini, micro):
+    return [f"data.train_batch_size={prompts}", f"actor_rollout_ref.rollout.n={n}",
+            f"data.max_response_length={response}", "actor_rollout_ref.rollout.ignore_eos=true",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}"]
+
+
+# name -> (recipe, overrides); all GRPO on the built-in task, fixed-length responses.
+WORKLOADS = {
+    "tiny": (DEMO, []),
+    "3m": (DEMO, _model(256, 4, 4, 2, 688) + _shape(16, 4, 32, 16, 16)),
+    "75m": (DEMO, _model(768, 12, 12, 4, 2048) + _shape(8, 4, 64, 8, 8)),
+}
+
+
+def add_arguments(parser):
+    parser.add_argument("--workload", default="tiny", help=f"one of {sorted(WORKLOADS)} or a recipe path")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time a plain transformers loop doing the same work")
+    parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides")
+
+
+def run_trainer(recipe, overrides, nproc, steps, log_dir):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), "-m", "engine.train", recipe, *overrides,
+           f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
+           "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+           "trainer.logger=[jsonl]", f"trainer.log_dir={log_dir}",
+           f"trainer.n_gpus_per_node={nproc}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()], time.perf_counter() - t0
+
+
+def summarise(records, warmup):
+    measured = [r for r in records if r["step"] > warmup] or records
+    med = lambda k: statistics.median(r[k] for r in measured if k in r) if any(k in r for r in measured) else None
+    out = {"steps": len(measured),
+           "step_s": med("timing_s/step"),
+           "tokens_per_s_per_rank": med("perf/throughput"),
+           "mfu": med("perf/mfu"),
+           "peak_flops_per_rank": med("perf/peak_flops_per_rank"),
+           "peak_memory_gb": med("perf/cpu_peak_rss_gb") or med("perf/max_memory_allocated_gb"),
+           "tokens_per_step": med("perf/total_num_tokens")}
+    out["phases_s"] = {p: med(f"timing_s/{p}") for p in PHASES if med(f"timing_s/{p}") is not None}
+    return out
+
+
+def print_table(name, summary, per_step=None):
+    print(f"\n== step benchmark: {name} ==")
+    if per_step:
+        print(f"{'step':>4} {'step_s':>8} {'tok/s/rank':>11} {'mfu':>6}")
+        for r in per_step:
+            print(f"{r['step']:>4} {r.get('timing_s/step', 0):8.2f} {r.get('perf/throughput', 0):11.1f} "
+                  f"{r.get('perf/mfu', 0):6.3f}")
+    print(f"median step {summary['step_s']:.2f} s | {summary['tokens_per_s_per_rank']:.1f} tokens/s/rank | "
+          f"MFU {summary['mfu'] or 0:.3f} of a measured {(summary['peak_flops_per_rank'] or 0) / 1e9:.1f} "
+          f"GFLOP/s per rank | peak memory {summary['peak_memory_gb'] or 0:.2f} GB/rank")
+    total = sum(summary["phases_s"].values()) or 1.0
+    print("phases: " + ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)"
+                                 for k, v in summary["phases_s"].items()))
+
+
+def run(args):
+    recipe, base = WORKLOADS.get(args.workload, (args.workload, []))
+    overrides = base + list(args.overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        records, wall = run_trainer(recipe, overrides, args.nproc, args.warmup + args.steps, tmp)
+    summary = summarise(records, args.warmup)
+    summary.update(workload=args.workload, nproc=args.nproc, wall_s=wall)
+    print_table(args.workload, summary, records)
+    if args.baseline:
+        from tools.bench_baseline import run_baseline
+        base_s = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
+        summary["baseline_step_s"] = base_s
+        summary["speedup_vs_transformers"] = base_s / summary["step_s"]
+        print(f"plain transformers loop: {base_s:.2f} s/step -> Trident is "
+              f"{summary['speedup_vs_transformers']:.2f}x its speed")
+    return summary

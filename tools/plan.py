@@ -1,0 +1,473 @@
+"""Per-rank memory plan of a recipe's Megatron layout; proposes layouts that fit.
+
+    python tools/plan.py RECIPE.yaml [--gpus N] [--gpu-mem GiB] [--search] [--exact] [key=value ...]
+
+What one rank holds (bytes; P = this rank's parameters of the fullest pipeline stage, split into
+dense P_d and expert P_e; DP / EDP = data / expert-data parallel size):
+
+  cuda (bf16 params, fp32 grad buffer as engine/workers/base.py sets grad_reduce_in_fp32, Adam
+        with fp32 master + 2 moments in Megatron's DistributedOptimizer, sharded over DP):
+        weights 2P, grads 4P, optimizer 12 P_d/DP + 12 P_e/EDP
+  cpu   (fp32 params are their own master copy, torch Adam's 2 moments):
+        weights 4P, grads 4P, optimizer 8 P_d/DP + 8 P_e/EDP
+  (without the distributed optimizer the optimizer term is not divided.)
+
+Activations, per token of a micro-batch, per transformer layer, after Korthikanti et al.
+("Reducing Activation Recomputation in Large Transformer Models"), without dropout, for GQA
+(a query heads, g key/value groups, head dims k_qk / k_v), SwiGLU (ffn f), TP t, sequence
+parallel (sp = t with SP, else 1), context parallel dividing the tokens:
+  cuda, TransformerEngine layers, bf16 (2 bytes/element):
+        2 [ 4h/sp + ((a + g) k_qk + g k_v   (the fused QKV output, kept by V)
+                     + a k_qk + g k_qk      (Q, K after RoPE)
+                     + a k_v                (attention output = projection input)
+                     + 3f) / t ]            (fc1 output 2f, SwiGLU output f)
+  cpu,  Megatron's local layers + Trident's torch norm / SDPA attention, fp32 (4 bytes),
+        counted by autograd's saved tensors (see tests/test_plan.py):
+        4 [ 6h/sp + (4 a k + a + 5f) / t ]  (+ (a + 2g) k + (a + g)(k + 1) with QK-norm)
+  MoE layers replace the MLP terms by top-k routed copies: topk (h + 3 f_e)/etp + E (router)
+  + the shared expert's 3 f_s / t (cuda; cpu uses 5 f_e).
+With full recompute (uniform, n layers per unit) a layer keeps only its unit's input h/sp and
+one unit is re-materialised during backward; selective recompute drops only the s^2 attention
+scores, which flash / SDPA attention never stores, so it is counted as no recompute. The first
+pipeline stage holds min(PP, micro-batches) micro-batches in flight under 1F1B (x (1 + (PP-1) /
+(PP x VPP)) when interleaved). Backward adds one layer's activations as gradient workspace and
+the largest parameter's gradient (autograd makes it before Megatron's hook accumulates it).
+Logits are never materialised (kernels/logprob.py): the last stage holds the final hidden
+states, its fp32 gradient, the output-weight gradient and the kernel's chunk buffers.
+
+The rollout engine (SGLang) takes gpu_memory_utilization x GPU memory while it generates; the
+training state that is not offloaded (param/grad/optimizer_offload) stays beside it. A layout
+fits when both phases fit under the GPU memory less RESERVE_GIB (CUDA context, NCCL buffers,
+allocator fragmentation).
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from engine.config import ConfigError, apply_override, derive, load_config  # noqa: E402
+
+GIB = 1 << 30
+RESERVE_GIB = 2.0
+HF_CONFIGS = os.path.join(ROOT, "recipes", "hf_configs")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# The model: HF config -> Megatron shape
+# --------------------------------------------------------------------------------------------
+
+def hf_config_of(model_cfg):
+    """The transformers config of a recipe's model: inline `config`, the `path`'s config.json,
+    or (when the path is not on this machine) recipes/hf_configs/<last path component>/."""
+    import transformers
+
+    if model_cfg.config is not None:
+        cfg = dict(model_cfg.config)
+        return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    path = os.path.expanduser(model_cfg.path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        stand_in = os.path.join(HF_CONFIGS, os.path.basename(os.path.normpath(path)))
+        if not os.path.isfile(os.path.join(stand_in, "config.json")):
+            raise ValueError(f"model.path={model_cfg.path!r} has no config.json here and there is no "
+                             f"stand-in {stand_in}/config.json; download the model's config.json")
+        path = stand_in
+    hf = transformers.AutoConfig.from_pretrained(path)
+    for key, value in (model_cfg.override_config or {}).items():
+        setattr(hf, key, value)
+    return hf
+
+
+@dataclass
+class Shape:
+    """What the memory model needs of one architecture, in Megatron's terms."""
+    layers: int
+    h: int
+    a: int
+    g: int
+    k_qk: int
+    k_v: int
+    f: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    moe_pattern: list  # 1 = MoE layer
+    experts: int = 0
+    topk: int = 0
+    f_expert: int = 0
+    f_shared: int = 0
+    shared_gate: bool = False
+    q_lora: int = 0  # MLA (DeepSeek-V3); 0 = standard attention
+    kv_lora: int = 0
+    k_rope: int = 0
+
+
+def shape_of(hf) -> Shape:
+    """The model's shape from its HF config (public key names, so the planner also covers
+    architectures the builder is still gaining; the tests check it against meta builds)."""
+    g = lambda *names, default=None: next(  # noqa: E731
+        (getattr(hf, n) for n in names if getattr(hf, n, None) is not None), default)
+    kind = g("model_type", default="")
+    layers, h, a = hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads
+    experts = g("num_experts", "num_local_experts", "n_routed_experts", default=0) or 0
+    if kind == "deepseek_v3":
+        dense_first = g("first_k_dense_replace", default=0)
+        freq = g("moe_layer_freq", default=1)
+        pattern = [int(i >= dense_first and i % freq == 0) for i in range(layers)]
+    elif experts:
+        skip, step = set(g("mlp_only_layers", default=[]) or []), g("decoder_sparse_step", default=1)
+        pattern = [int(i not in skip and (i + 1) % step == 0) for i in range(layers)]
+    else:
+        pattern = [0] * layers
+    mla = kind == "deepseek_v3"
+    k = g("head_dim", default=h // a)
+    f_shared = (g("shared_expert_intermediate_size", default=0)
+                or g("n_shared_experts", default=0) * g("moe_intermediate_size", default=0))
+    return Shape(
+        layers=layers, h=h, a=a, g=a if mla else g("num_key_value_heads", default=a),
+        k_qk=hf.qk_nope_head_dim + hf.qk_rope_head_dim if mla else k,
+        k_v=hf.v_head_dim if mla else k, f=hf.intermediate_size, vocab=hf.vocab_size,
+        tied=bool(g("tie_word_embeddings", default=False)),
+        qkv_bias=kind in ("qwen2", "qwen2_moe") or bool(g("attention_bias", default=False)) and not mla,
+        qk_norm=kind in ("qwen3", "qwen3_moe"), moe_pattern=pattern, experts=experts,
+        topk=g("num_experts_per_tok", default=0) if experts else 0,
+        f_expert=(hf.intermediate_size if kind == "mixtral" else g("moe_intermediate_size", default=0))
+        if experts else 0,
+        f_shared=f_shared if experts else 0, shared_gate=kind == "qwen2_moe",
+        q_lora=g("q_lora_rank", default=0) if mla else 0,
+        kv_lora=g("kv_lora_rank", default=0) if mla else 0,
+        k_rope=g("qk_rope_head_dim", default=0) if mla else 0)
+
+
+def stage_params(s: Shape, tp: int, pp: int, ep: int, etp: int, stage: int, head: str = "lm"):
+    """(dense, expert) parameter counts of one rank of pipeline stage `stage` (analytic; the
+    tests check it against meta builds)."""
+    h, a, g = s.h, s.a, s.g
+    if s.q_lora or s.kv_lora:  # MLA: down-projections replicated, up-projections split over TP
+        q = (h * s.q_lora + s.q_lora + s.q_lora * a * s.k_qk // tp) if s.q_lora else h * a * s.k_qk // tp
+        attn = (q + h * (s.kv_lora + s.k_rope) + s.kv_lora
+                + s.kv_lora * a * (s.k_qk - s.k_rope + s.k_v) // tp + a * s.k_v * h // tp)
+    else:
+        qkv = (a + g) * s.k_qk + g * s.k_v
+        attn = h * qkv // tp + (qkv // tp if s.qkv_bias else 0) + a * s.k_v * h // tp
+        attn += 2 * s.k_qk if s.qk_norm else 0
+    per = s.layers // pp
+    dense = expert = 0
+    for layer in range(stage * per, (stage + 1) * per):
+        dense += 2 * h + attn
+        if s.moe_pattern[layer]:
+            dense += s.experts * h  # router, replicated
+            expert += (s.experts // ep) * 3 * h * s.f_expert // etp
+            if s.f_shared:
+                dense += 3 * h * s.f_shared // tp + (h if s.shared_gate else 0)
+        else:
+            dense += 3 * h * s.f // tp
+    if stage == 0:
+        dense += s.vocab * h // tp
+    if stage == pp - 1:
+        dense += h  # final norm
+        if head == "value":
+            dense += h
+        elif not (s.tied and pp == 1):
+            dense += s.vocab * h // tp
+    return dense, expert
+
+
+def largest_param(s: Shape, tp: int, etp: int) -> int:
+    return max(s.vocab * s.h // tp, 2 * s.h * max(s.f, 1) // tp, 2 * s.h * s.f_expert // etp)
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+
+def layer_activation_bytes(s: Shape, moe: bool, tp: int, sp: bool, etp: int, device: str) -> float:
+    """Bytes per token of one layer's saved activations (formula in the module docstring)."""
+    h, a, g, kq, kv = s.h, s.a, s.g, s.k_qk, s.k_v
+    spd = tp if sp else 1
+    if device == "cuda":
+        mlp = (s.topk * (h + 3 * s.f_expert / etp) + s.experts + 3 * s.f_shared / tp) if moe else 3 * s.f / tp
+        attn = ((a + g) * kq + g * kv + a * kq + g * kq + a * kv) / tp
+        latent = 2 * (s.q_lora + s.kv_lora + s.k_rope)
+        return 2 * (4 * h / spd + attn + latent + mlp)
+    mlp = (s.topk * (h + 5 * s.f_expert / etp) + s.experts + 5 * s.f_shared / tp) if moe else 5 * s.f / tp
+    attn = (4 * a * kq + a) / tp
+    if s.qk_norm:
+        attn += ((a + 2 * g) * kq + (a + g) * (kq + 1)) / tp
+    return 4 * (6 * h / spd + attn + mlp)
+
+
+def head_bytes(s: Shape, tokens: int, tp: int, device: str, param_bytes: int, head: str) -> float:
+    """Last stage: the final hidden states (+ SP gather), their fp32 gradient, and the fused
+    log-prob kernel's output-weight gradient and chunk buffers (kernels/logprob.py)."""
+    if head == "value":
+        return tokens * s.h * (param_bytes + 4)
+    from kernels.logprob import default_chunk_tokens
+
+    v_local = s.vocab // tp
+    chunk = min(tokens, default_chunk_tokens(v_local, device))
+    buffers = chunk * v_local * (2 if device == "cuda" else 8)  # bf16 matmul out | fp32 + aux
+    return tokens * s.h * (param_bytes + 4) + v_local * s.h * param_bytes + buffers
+
+
+# --------------------------------------------------------------------------------------------
+# Estimate
+# --------------------------------------------------------------------------------------------
+
+def _micro_tokens(section, cfg, dynamic_key="use_dynamic_bsz"):
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if getattr(section, dynamic_key):
+        return section.ppo_max_token_len_per_gpu
+    return section.ppo_micro_batch_size_per_gpu * seq
+
+
+def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, train: bool,
+                 device: str) -> dict:
+    """Bytes per rank of one model (worst pipeline stage) for a Megatron section `m`."""
+    tp, pp, ep, etp, cp = lay.tp, lay.pp, lay.ep, lay.etp, lay.cp
+    sp = bool(m.sequence_parallel)
+    pbytes = DTYPE_BYTES[m.params_dtype] if device == "cuda" else 4
+    master = 4 if (device == "cuda" and pbytes != 4) else 0
+    opt_bytes = master + 8
+    vpp = lay.vpp or 1
+    tokens = math.ceil(tokens / cp)
+    in_flight = min(pp, n_micro) * (1 + (pp - 1) / (pp * vpp)) if pp > 1 and vpp > 1 else min(pp, n_micro)
+    recompute = m.recompute_granularity == "full"
+    unit = m.recompute_num_layers or 1
+    best = None
+    for stage in range(pp):
+        dense, expert = stage_params(s, tp, pp, ep, etp, stage, head)
+        p = dense + expert
+        out = dict(params=p, dense_params=dense, expert_params=expert,
+                   weights=p * pbytes, grads=0, optimizer=0, activations=0)
+        if train:
+            dp_shard = lay.dp if m.use_distributed_optimizer else 1
+            edp_shard = lay.expert_dp if m.use_distributed_optimizer else 1
+            out["grads"] = p * 4
+            out["optimizer"] = opt_bytes * (dense / dp_shard + expert / edp_shard)
+            per = s.layers // pp
+            layers = range(stage * per, (stage + 1) * per)
+            per_layer = [layer_activation_bytes(s, bool(s.moe_pattern[i]), tp, sp, etp, device)
+                         for i in layers]
+            if recompute:
+                kept = per * s.h / (tp if sp else 1) * pbytes
+                work = max(per_layer) * min(unit, per)
+                stored = kept
+            else:
+                stored, work = sum(per_layer), 0.0
+            act = stored * tokens * in_flight + (work + max(per_layer)) * tokens
+            act += largest_param(s, tp, etp) * pbytes
+            if stage == pp - 1:
+                act += head_bytes(s, tokens, tp, device, pbytes, head)
+            out["activations"] = act
+        out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+        if best is None or out["total"] > best["total"]:
+            best = dict(out, stage=stage)
+    return best
+
+
+def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> dict:
+    """Per-rank memory (bytes) of the recipe `cfg` (a TridentConfig) at `world_size` ranks.
+
+    Returns the per-model breakdowns (actor, critic, ref), the training-phase peak, the rollout
+    share, the rollout-phase resident state, what is free in the tighter phase and whether it fits.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}; use 'cuda' or 'cpu'")
+    d = derive(cfg, world_size=world_size, cuda_available=device == "cuda")
+    c, lay = d.config, d.layout
+    arr = c.actor_rollout_ref
+    shape = shape_of(hf_config_of(arr.model))
+    from engine.config import validate_layout
+    validate_layout(c, world_size, num_layers=shape.layers, num_experts=shape.experts)
+
+    models = {"actor": model_memory(
+        shape, arr.actor.megatron, lay, head="lm", tokens=_micro_tokens(arr.actor, c),
+        n_micro=d.actor.grad_accum_steps or 1, train=True, device=device)}
+    offload = {"actor": arr.actor.megatron}
+    if d.use_critic:
+        cshape = shape_of(hf_config_of(c.critic.model))
+        models["critic"] = model_memory(
+            cshape, c.critic.megatron, lay, head="value", tokens=_micro_tokens(c.critic, c),
+            n_micro=d.critic.grad_accum_steps or 1, train=True, device=device)
+        offload["critic"] = c.critic.megatron
+    if d.use_reference:
+        models["ref"] = model_memory(shape, arr.ref.megatron, lay, head="lm", tokens=0, n_micro=1,
+                                     train=False, device=device)
+        offload["ref"] = arr.ref.megatron
+
+    def resident(name):  # what stays on the device while another phase runs
+        m, mem = offload[name], models[name]
+        return ((0 if m.param_offload else mem["weights"]) + (0 if m.grad_offload else mem["grads"])
+                + (0 if m.optimizer_offload else mem["optimizer"]))
+
+    # Training phase: each trained model in turn runs with its full state on the device.
+    training = max(models[n]["weights"] + models[n]["grads"] + models[n]["optimizer"]
+                   + models[n]["activations"] + sum(resident(o) for o in models if o != n)
+                   for n in models)
+    capacity = gpu_mem_gib * GIB - (RESERVE_GIB * GIB if device == "cuda" else 0)
+    rollout_share = arr.rollout.gpu_memory_utilization * gpu_mem_gib * GIB if device == "cuda" else 0.0
+    rollout_phase = rollout_share + sum(resident(n) for n in models)
+    free = capacity - max(training, rollout_phase)
+    return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib,
+                layout=dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
+                            dp=lay.dp, expert_dp=lay.expert_dp,
+                            sequence_parallel=bool(arr.actor.megatron.sequence_parallel)),
+                models=models, training_peak=training, rollout_share=rollout_share,
+                rollout_phase=rollout_phase, capacity=capacity, free=free, fits=free >= 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout search
+# --------------------------------------------------------------------------------------------
+
+def _divisors(n):
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def search(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda", top: int = 5):
+    """Layouts (TP, PP, EP) that fit, best first: fewest model-parallel ranks (most DP), then
+    the most headroom. TP stays within a node; MoE models search EP with expert-TP 1."""
+    import copy
+
+    shape = shape_of(hf_config_of(cfg.actor_rollout_ref.model))
+    node = min(cfg.trainer.n_gpus_per_node, world_size)
+    out = []
+    for tp in _divisors(node):
+        if shape.a % tp or shape.g % tp:
+            continue
+        for pp in _divisors(world_size // tp):
+            if shape.layers % pp:
+                continue
+            eps = [e for e in _divisors(shape.experts) if (world_size // pp) % e == 0] if shape.experts else [1]
+            for ep in eps:
+                trial = copy.deepcopy(cfg)
+                for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                                   ("expert_model_parallel_size", ep),
+                                   ("expert_tensor_parallel_size", 1 if shape.experts else None),
+                                   ("sequence_parallel", tp > 1),
+                                   ("virtual_pipeline_model_parallel_size", None)):
+                    apply_override(trial, f"actor_rollout_ref.actor.megatron.{key}={json.dumps(value)}")
+                try:
+                    e = estimate(trial, world_size, gpu_mem_gib, device)
+                except ConfigError:
+                    continue
+                if e["fits"]:
+                    out.append(e)
+    out.sort(key=lambda e: (e["layout"]["tp"] * e["layout"]["pp"], -e["layout"]["ep"], -e["free"]))
+    return out[:top]
+
+
+# --------------------------------------------------------------------------------------------
+# Meta builds (exact per-rank counts), one process per (layout, rank)
+# --------------------------------------------------------------------------------------------
+
+def meta_rank_model(hf_config, layout, world_size: int, rank: int = 0, head: str = "lm",
+                    params_dtype: str = "bfloat16"):
+    """(chunks, info) of `rank` at `layout` (parallel.mesh.Layout) on the meta device. Initialises
+    torch.distributed: once per process (use `meta_rank_report` from another process)."""
+    import torch
+
+    from engine.models.builder import build_model
+    from parallel.meta import meta_build
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params_dtype]
+    return meta_build(lambda overrides: build_model(
+        hf_config, head=head, params_dtype=dtype, sequence_parallel=layout.sequence_parallel,
+        config_overrides=overrides), layout, world_size, rank)
+
+
+def meta_rank_report(hf_config_dict: dict, layout: dict, world_size: int, rank: int = 0,
+                     head: str = "lm", timeout_s: float = 300) -> dict:
+    """`meta_rank_model`'s info (JSON-safe) computed in a fresh Python process."""
+    args = json.dumps(dict(hf=hf_config_dict, layout=layout, world_size=world_size, rank=rank, head=head))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--meta-rank", args],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError(f"meta build of rank {rank} at {layout} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _meta_rank_main(args_json: str):
+    import transformers
+
+    from parallel.mesh import Layout
+
+    a = json.loads(args_json)
+    hf = dict(a["hf"])
+    hf = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    _, info = meta_rank_model(hf, Layout(**a["layout"]), a["world_size"], a["rank"], a["head"])
+    print(json.dumps(info))
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def _gib(x):
+    return f"{x / GIB:8.2f} GiB"
+
+
+def _report(e):
+    lay = e["layout"]
+    lines = [f"layout: TP={lay['tp']} PP={lay['pp']} VPP={lay['vpp']} CP={lay['cp']} EP={lay['ep']} "
+             f"ETP={lay['etp']} DP={lay['dp']} EDP={lay['expert_dp']} SP={lay['sequence_parallel']} "
+             f"on {e['world_size']} x {e['gpu_mem_gib']} GiB ({e['device']})"]
+    for name, m in e["models"].items():
+        lines.append(f"  {name:7s} stage {m['stage']}: {m['params'] / 1e9:.3f} B params "
+                     f"(experts {m['expert_params'] / 1e9:.3f} B)  weights {_gib(m['weights'])}  "
+                     f"grads {_gib(m['grads'])}  optimizer {_gib(m['optimizer'])}  "
+                     f"activations {_gib(m['activations'])}")
+    lines += [f"  training peak  {_gib(e['training_peak'])}",
+              f"  rollout share  {_gib(e['rollout_share'])}  + resident training state = "
+              f"{_gib(e['rollout_phase'])}",
+              f"  capacity       {_gib(e['capacity'])}  free {_gib(e['free'])}  -> "
+              f"{'fits' if e['fits'] else 'DOES NOT FIT'}"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--meta-rank"]:
+        return _meta_rank_main(argv[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--gpus", type=int, help="world size (default trainer.nnodes x n_gpus_per_node)")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--search", action="store_true", help="propose TP/PP/EP layouts that fit")
+    p.add_argument("--exact", action="store_true",
+                   help="also build rank 0 and the last stage on the meta device and show their counts")
+    a = p.parse_args(argv)
+    cfg = load_config(a.recipe, a.overrides)
+    world = a.gpus or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if a.gpus:
+        cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, world
+    e = estimate(cfg, world, a.gpu_mem, a.device)
+    print(_report(e))
+    if a.exact:
+        lay = e["layout"]
+        layout = dict(tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"], cp=lay["cp"], ep=lay["ep"],
+                      etp=lay["etp"], sequence_parallel=lay["sequence_parallel"])
+        hf = hf_config_of(cfg.actor_rollout_ref.model).to_dict()
+        for rank in sorted({0, world - 1}):
+            info = meta_rank_report(hf, layout, world, rank)
+            print(f"  meta build rank {rank} (pp stage {info['pp_rank']}): {info['params'] / 1e9:.4f} B params")
+    if a.search:
+        print("\nlayouts that fit, best first:")
+        found = search(cfg, world, a.gpu_mem, a.device)
+        print("\n".join(_report(x) for x in found) if found else "  none: add GPUs or enable offload/recompute")
+
+
+if __name__ == "__main__":
+    main()
