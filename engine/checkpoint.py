@@ -223,6 +223,16 @@ def _create_optimizer_state(worker):
             p.grad = None
 
 
+def _unshare_adam_steps(worker):
+    """megatron-core 0.16's distributed optimizer (torch Adam path, without TE/Apex) loads one
+    `step` tensor shared by every parameter's state; torch Adam increments it in place once
+    per parameter, so the next step's bias correction would be wrong. Give each its own."""
+    for opt in _torch_optimizers(worker):
+        for state in opt.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def _optim_metadata(sharding):
     return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
 
@@ -453,6 +463,7 @@ class CheckpointManager:
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])
+                _unshare_adam_steps(worker)
             if load_optimizer and worker.scheduler is not None and "scheduler" in loaded:
                 worker.scheduler.load_state_dict(loaded["scheduler"])
 

@@ -1,5 +1,7 @@
 """Trident benchmarks, one subcommand each.
 
+    python tools/benchmark.py step [--workload tiny|3m|75m|RECIPE] [--baseline] [--json F]
+    python tools/benchmark.py reshard [--size-mb 200]
     python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
     python tools/benchmark.py all                      # every subcommand with its defaults
 
@@ -142,7 +144,11 @@ def run_kernels(args):
 
 # ---------------------------------------------------------------------------------------------
 
+from tools import bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
+
 SUBCOMMANDS = {
+    "step": (bench_step.add_arguments, bench_step.run),
+    "reshard": (bench_reshard.add_arguments, bench_reshard.run),
     "kernels": (add_kernels_args, run_kernels),
 }
 

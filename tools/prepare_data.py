@@ -2,6 +2,7 @@
 
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k/train.parquet
     python tools/prepare_data.py --builtin arith --out-dir data/arith [--difficulty 0]
+    python tools/prepare_data.py --reasoning-gym basic_arithmetic --out-dir data/rg_arith
 
 GSM8K-style JSONL has one {"question": ..., "answer": "... #### 42"} per line. Each row becomes a
 chat prompt with the step-by-step instruction, reward_model.ground_truth = the number after
@@ -71,7 +72,23 @@ def main(argv=None):
     parser.add_argument("--n-val", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--difficulty", type=int, default=0)
+    parser.add_argument("--reasoning-gym", metavar="TASK",
+                        help="write a reasoning-gym task (e.g. basic_arithmetic) to --out-dir")
+    parser.add_argument("--task-kwargs", default="{}",
+                        help="JSON of the reasoning-gym generator's settings")
     args = parser.parse_args(argv)
+    if args.reasoning_gym:
+        if not args.out_dir:
+            parser.error("--reasoning-gym needs --out-dir")
+        from engine.rewards.reasoning_gym import make_rows
+        kwargs = json.loads(args.task_kwargs)
+        os.makedirs(args.out_dir, exist_ok=True)
+        for split, n, seed in (("train", args.n_train, args.seed), ("val", args.n_val, args.seed + 1)):
+            write_prompt_parquet(make_rows(args.reasoning_gym, n, seed, split, **kwargs),
+                                 os.path.join(args.out_dir, f"{split}.parquet"))
+        print(f"wrote {args.n_train} train / {args.n_val} val rows of reasoning-gym "
+              f"{args.reasoning_gym!r} to {args.out_dir}")
+        return
     if args.builtin:
         if not args.out_dir:
             parser.error("--builtin needs --out-dir")

@@ -3,7 +3,7 @@
 A score function returns a float, or a dict with a "score" key plus extra fields (e.g. "acc")
 that the manager reports as reward_extra_info.
 """
-from engine.rewards import arith, gsm8k, math_verify
+from engine.rewards import arith, gsm8k, math_verify, reasoning_gym
 
 
 def _math(solution_str, ground_truth, extra_info=None):
@@ -31,7 +31,7 @@ _REWARDS = {
 
 
 def known_data_sources():
-    return sorted(_REWARDS)
+    return sorted(_REWARDS) + [reasoning_gym.PREFIX + "<task>"]
 
 
 def register_reward(data_source, fn):
@@ -40,6 +40,9 @@ def register_reward(data_source, fn):
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source not in _REWARDS and str(data_source).startswith(reasoning_gym.PREFIX):
+        task = data_source[len(reasoning_gym.PREFIX):]
+        return reasoning_gym.compute_score(task, solution_str, ground_truth, extra_info)
     fn = _REWARDS.get(data_source)
     if fn is None:
         raise ValueError(f"no rule reward for data_source={data_source!r}; known data sources: "
