@@ -92,9 +92,10 @@ def local_shards(chunks) -> List[Tuple[torch.nn.Parameter, Shard]]:
             if m:
                 layer = _module_at(model, f"{m.group(1)}{m.group(2)}")
                 global_name = f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
-                e = _LOCAL_EXPERT.match(global_name)
+                local_e, e = _LOCAL_EXPERT.match(name), _LOCAL_EXPERT.match(global_name)
                 if e:
-                    moe = _module_at(model, e.group(1)[: -len(".experts.local_experts.")])
+                    # the MoE module is found by its local name; only the name changes
+                    moe = _module_at(model, local_e.group(1)[: -len(".experts.local_experts.")])
                     expert = moe.local_expert_indices[int(e.group(2))]
                     global_name = f"{e.group(1)}{expert}{e.group(3)}"
             if tied and name == "output_layer.weight":

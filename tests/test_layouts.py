@@ -149,3 +149,7 @@ def test_tp2_ep2_moe_sequence_parallel():
 
 def test_tp2_pp2_four_ranks():
     _check("llama", 4, dict(tp=2, pp=2), n_micro=2)
+
+
+def test_pp2_ep2_moe_four_ranks():
+    _check("qwen2_moe", 4, dict(pp=2, ep=2), n_micro=2)
