@@ -19,10 +19,12 @@ name, and a leftover `.tmp-*` is ignored by `latest()` and removed by the next `
 All ranks must see the same filesystem (as dist_checkpointing itself requires).
 
 Resharding: model weights load at any TP/PP/DP layout (dist_checkpointing stores global
-tensors). The distributed optimizer is saved in Megatron's `dp_reshardable` form by default:
-it resumes at a different DP size but needs the same TP/PP; `optim_sharding="fully_reshardable"`
-(gathered on DP rank 0 while saving: slower, more memory) lifts that. To change TP/PP with a
-`dp_reshardable` checkpoint, load with `load_optimizer=False`.
+tensors; tested TP=2 -> TP=1). The distributed optimizer is saved in Megatron's
+`dp_reshardable` form: by Megatron's contract it resumes at another DP size (not exercised by
+the 2-rank tests) but needs the same TP/PP. To change TP/PP, load with `load_optimizer=False`
+(weights only; Adam restarts). megatron-core 0.16's other forms do not work here:
+`fully_sharded_model_space` fails to build ("flattened_range is not supported") and
+`fully_reshardable` fails to load into torch Adam (KeyError 'step').
 """
 import hashlib
 import json
@@ -48,7 +50,7 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 RESUME_MODES = ("auto", "disable", "resume_path")
-OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")
+OPTIM_SHARDING = "dp_reshardable"
 _WORKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
@@ -69,18 +71,20 @@ def _barrier():
 def _on_rank0_then_share(fn):
     """Run `fn()` on rank 0; every rank gets its result or raises its error (as ValueError /
     RuntimeError), so no rank is left waiting in a collective after a failure on rank 0."""
-    box = [None]
+    box, error = [None], None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
         except Exception as e:  # shared, then raised on every rank
-            box[0] = ("error", (type(e), str(e)))
+            box[0], error = ("error", (type(e), str(e))), e
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
+    if error is not None:
+        raise error
     if kind == "error":
         cls, msg = value
-        raise (cls if issubclass(cls, ValueError) else RuntimeError)(msg)
+        raise (cls if issubclass(cls, ValueError) else RuntimeError)(f"on rank 0: {msg}")
     return value
 
 
@@ -105,13 +109,14 @@ def _fsync_dir(path):
 
 
 def _write_atomic(path, data: bytes):
-    tmp = f"{path}.tmp.{os.getpid()}"
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _fsync_dir(directory or ".")
 
 
 def _sha256(path, block=1 << 22):
@@ -299,17 +304,13 @@ class CheckpointManager:
     after a new one is complete.
     """
 
-    def __init__(self, root_dir: str, keep_last: Optional[int] = None, rank: Optional[int] = None,
-                 optim_sharding: str = "dp_reshardable"):
+    def __init__(self, root_dir: str, keep_last: Optional[int] = None, rank: Optional[int] = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or None for all "
                              "(trainer.max_actor_ckpt_to_keep)")
-        if optim_sharding not in OPTIM_SHARDINGS:
-            raise ValueError(f"optim_sharding={optim_sharding!r}; use one of {OPTIM_SHARDINGS}")
         self.root_dir = os.path.abspath(root_dir)
         self.keep_last = keep_last
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        self.optim_sharding = optim_sharding
 
     # -- finding checkpoints ------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -381,7 +382,7 @@ class CheckpointManager:
             with_optim = _has_optimizer_state(worker)
             if with_optim:
                 state["optimizer"] = worker.optimizer.sharded_state_dict(
-                    dict(state), metadata=_optim_metadata(self.optim_sharding))
+                    dict(state), metadata=_optim_metadata(OPTIM_SHARDING))
             if worker.scheduler is not None:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
@@ -393,7 +394,7 @@ class CheckpointManager:
         def publish():
             torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
             meta = dict(version=FORMAT_VERSION, step=step, layout=_layout(), workers=saved,
-                        optim_sharding=self.optim_sharding)
+                        optim_sharding=OPTIM_SHARDING)
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
             write_manifest(tmp)  # the last file: its presence marks the checkpoint complete
@@ -406,14 +407,16 @@ class CheckpointManager:
             self._prune()
             self._remove_leftovers()
             return final
-        final = _on_rank0_then_share(publish)
-        _barrier()
-        return final
+        return _on_rank0_then_share(publish)  # every rank waits for the rename
 
     def _remove_leftovers(self):
         for name in os.listdir(self.root_dir):
+            path = os.path.join(self.root_dir, name)
             if name.startswith(TMP_PREFIX):
-                shutil.rmtree(os.path.join(self.root_dir, name), ignore_errors=True)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
 
     def _prune(self):
         if self.keep_last is None:
@@ -444,6 +447,16 @@ class CheckpointManager:
                 return json.load(f)
         meta = _on_rank0_then_share(check)
 
+        if load_optimizer and workers and any(w["optimizer"] for w in meta["workers"].values()):
+            here = _layout()
+            differ = {k: (meta["layout"].get(k), here[k]) for k in ("tp", "pp", "vpp", "ep")
+                      if meta["layout"].get(k) != here[k]}
+            if differ:
+                raise CheckpointError(
+                    f"checkpoint {path!r}: its optimizer state was saved at another model-parallel "
+                    f"layout ({', '.join(f'{k}={a} there, {b} here' for k, (a, b) in differ.items())}"
+                    "); it resumes only at the same TP/PP/VPP/EP. Use that layout, or load with "
+                    "load_optimizer=False to take the weights only")
         for name in sorted(workers):
             worker, directory = workers[name], os.path.join(path, name)
             if name not in meta["workers"]:

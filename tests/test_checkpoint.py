@@ -161,8 +161,13 @@ def _reshard_run_impl(root):
 
     init_mesh(Layout(), seed=1)  # TP=1: both ranks are data-parallel replicas
     at_tp1 = _actor(weight_salt="-other")
+    out = dict(errors={})
+    try:
+        manager.load(manager.latest(), {"actor": at_tp1})
+    except CheckpointError as e:
+        out["errors"]["optimizer"] = str(e)
     manager.load(manager.latest(), {"actor": at_tp1}, load_optimizer=False)
-    out = dict(saved=saved, loaded=_weights(at_tp1), errors={})
+    out.update(saved=saved, loaded=_weights(at_tp1))
     for label, hf in (("smaller", tiny_config("llama", intermediate_size=48)),
                       ("fewer_layers", tiny_config("llama", num_hidden_layers=2)),
                       ("tied", tiny_config("llama", tie_word_embeddings=True))):
@@ -174,13 +179,16 @@ def _reshard_run_impl(root):
 
 
 def test_weights_load_at_another_layout_and_other_shapes_fail_clearly(tmp_path):
+    """TP=2 -> TP=1: weights bit-identical; the optimizer (TP-specific format) and models of
+    another shape or architecture are refused with errors naming the tensor."""
     results = run_on_ranks(_reshard_run, 2, str(tmp_path))
     for res in results:
         assert res["loaded"].keys() == res["saved"].keys()
         for name, tensor in res["saved"].items():
             assert torch.equal(res["loaded"][name], tensor), name
     errors = results[0]["errors"]
-    assert set(errors) == {"smaller", "fewer_layers", "tied"}, errors
+    assert set(errors) == {"optimizer", "smaller", "fewer_layers", "tied"}, errors
+    assert "tp=2 there, 1 here" in errors["optimizer"] and "load_optimizer=False" in errors["optimizer"]
     assert "linear_fc1.weight" in errors["smaller"] and "different model size" in errors["smaller"]
     assert "(4, " in errors["fewer_layers"] and "(2, " in errors["fewer_layers"]
     assert "output_layer.weight" in errors["tied"]

@@ -68,3 +68,50 @@ def test_each_estimator_trains(tmp_path, estimator, extra):
     assert "step 3/3" in out  # the console progress line
     tb = list((tmp_path / "logs" / estimator).glob("events.out.tfevents.*"))
     assert tb, "TensorBoard event file missing"
+
+
+def _wait_for(predicate, timeout, proc):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
+            "actor/kl_loss", "actor/grad_norm", "actor/lr", "response_length/mean")
+
+
+def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
+    """A run SIGKILLed during step 3 (after the step-2 checkpoint) and resumed gives, at step 4,
+    the same metrics and bit-identical weights as a run that was never interrupted."""
+    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true"]
+    _, straight = _run(tmp_path, "straight", common, steps=4)
+
+    proc = _launch(tmp_path, "killed", common, steps=4)
+    ckpt = tmp_path / "ckpt" / "killed" / "global_step_2"
+    assert _wait_for(ckpt.exists, 240, proc), "the step-2 checkpoint never appeared"
+    time.sleep(0.3)  # into step 3
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "ckpt" / "killed" / "hf").exists()
+    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
+    assert "resumed from" in out and "at step 2" in out, out[-2000:]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # records after the checkpoint redone
+    for a, b in zip(straight[2:], resumed[2:]):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+
+    from safetensors.torch import load_file
+    def weights(name):
+        out = {}
+        for f in sorted((tmp_path / "ckpt" / name / "hf").glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+    a, b = weights("straight"), weights("killed")
+    assert a.keys() == b.keys() and a
+    import torch
+    assert all(torch.equal(a[k], b[k]) for k in a)

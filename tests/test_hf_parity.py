@@ -38,8 +38,11 @@ def deepseek_v3_config(**overrides):
 def family_config(name):
     if name == "deepseek_v3":
         return deepseek_v3_config()
-    if name == "deepseek_v3_no_q_lora":
-        return deepseek_v3_config(q_lora_rank=None)
+    if name == "deepseek_v3_no_q_lora_yarn":
+        # DeepSeek-V3's released config uses YaRN rope scaling (factor 40); so does this case
+        return deepseek_v3_config(q_lora_rank=None, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
     if name == "llama_tied":
         return tiny_config("llama", tie_word_embeddings=True)
     return tiny_config(name)
@@ -153,7 +156,7 @@ CASES = [
     ("qwen3_moe", dict(tp=2, ep=2, etp=1, sequence_parallel=True), 2),
     ("mixtral", dict(ep=2), 2),
     ("deepseek_v3", dict(ep=2), 2),
-    ("deepseek_v3_no_q_lora", dict(tp=2, sequence_parallel=True), 2),
+    ("deepseek_v3_no_q_lora_yarn", dict(tp=2, sequence_parallel=True), 2),
 ]
 
 

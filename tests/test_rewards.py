@@ -222,3 +222,20 @@ def test_reward_model_scorer_protocol():
 
     assert isinstance(ConstantScorer(), RewardModelScorer)
     assert not isinstance(object(), RewardModelScorer)
+
+
+def test_reasoning_gym_rows_are_scored_by_the_tasks_own_verifier():
+    from engine.rewards.reasoning_gym import extract_answer, make_rows
+    from engine.rewards.registry import default_compute_score
+    rows = make_rows("basic_arithmetic", 4, seed=3, split="val", min_terms=2, max_terms=2,
+                     min_digits=1, max_digits=1)
+    for row in rows:
+        gt, src, extra = row["reward_model"]["ground_truth"], row["data_source"], row["extra_info"]
+        assert src == "reasoning_gym/basic_arithmetic"
+        assert default_compute_score(src, f"thinking...\nAnswer: {gt}", gt, extra)["score"] == 1.0
+        wrong = str(int(gt) + 7)
+        assert default_compute_score(src, f"Answer: {wrong}", gt, extra)["score"] < 1.0
+        assert default_compute_score(src, f"{row['extra_info']['question']} = {gt}", gt, extra)["acc"] == 1.0
+    assert extract_answer("5 - 3 = 2") == "2"
+    assert extract_answer("Answer: -4.\nextra 7") == "-4"
+    assert extract_answer("no digits here") == "no digits here"

@@ -33,7 +33,18 @@ def _get(cfg, *names, default=None):
     return default
 
 
-def _rope_theta(cfg):
+def _rope_scaling(cfg):
+    """HF's rope scaling dict (transformers 5 keeps it in rope_parameters), or {} for none."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    params.update(getattr(cfg, "rope_scaling", None) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    return {} if kind in ("default", None) else dict(params, rope_type=kind)
+
+
+def _rope_theta(cfg, allow_yarn=False):
+    if allow_yarn and _rope_scaling(cfg).get("rope_type") == "yarn":
+        params = getattr(cfg, "rope_parameters", None) or {}
+        return float(_get(cfg, "rope_theta") or params.get("rope_theta") or 10000.0)
     params = getattr(cfg, "rope_parameters", None) or {}
     theta = _get(cfg, "rope_theta") or params.get("rope_theta")
     rope_type = params.get("rope_type", "default")
@@ -138,6 +149,23 @@ def _qwen3_moe(cfg):
                 mlp_only_layers=_get(cfg, "mlp_only_layers", default=[]))
 
 
+def _mla_rope(cfg):
+    """Megatron MLA rope settings: plain RoPE, or YaRN as in DeepSeek-V3's released config."""
+    scaling = _rope_scaling(cfg)
+    if not scaling:
+        # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
+        return dict(rope_type="rope", rotary_scaling_factor=1.0)
+    if scaling["rope_type"] != "yarn":
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported for MLA; "
+                         "DeepSeek-V3 uses 'yarn' or none")
+    return dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                beta_fast=float(scaling.get("beta_fast", 32)),
+                beta_slow=float(scaling.get("beta_slow", 1)),
+                mscale=float(scaling.get("mscale", 1.0)),
+                mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
+
+
 def _deepseek_v3(cfg):
     """DeepSeek-V3: MLA attention, sigmoid group-limited router with a score-correction bias,
     shared experts, the first `first_k_dense_replace` layers dense. Its multi-token-prediction
@@ -179,12 +207,11 @@ def _deepseek_v3(cfg):
             qk_head_dim=cfg.qk_nope_head_dim,
             qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            rope_type="rope",
-            rotary_scaling_factor=1.0,  # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
+            **_mla_rope(cfg),
         ),
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rotary_base=_rope_theta(cfg),
+        rotary_base=_rope_theta(cfg, allow_yarn=True),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
         multi_latent_attention=True,
     )

@@ -2,8 +2,9 @@
 
 Rows carry data_source "reasoning_gym/<task>", the reference answer as ground truth and the
 generator's metadata in extra_info, so the verifier sees the entry it was written for. The
-model is asked to end with "Answer: <answer>"; the text after the last "Answer:" (or, failing
-that, the last line) is what gets verified.
+model is asked to end with "Answer: <answer>"; the text after the last "Answer:" is verified,
+or failing that the last number in the reply (small models often answer "5 - 3 = 2"), or its
+last line.
 """
 import functools
 import json
@@ -12,6 +13,7 @@ import re
 PREFIX = "reasoning_gym/"
 INSTRUCTION = "Solve the problem. End your reply with a last line of the form 'Answer: <answer>'."
 _ANSWER = re.compile(r"answer\s*[:：]\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,6 +26,9 @@ def extract_answer(solution_str):
     matches = _ANSWER.findall(solution_str)
     if matches:
         return matches[-1].strip().rstrip(".").strip()
+    numbers = _NUMBER.findall(solution_str)
+    if numbers:
+        return numbers[-1]
     lines = [line.strip() for line in solution_str.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
