@@ -228,14 +228,26 @@ def _create_optimizer_state(worker):
             p.grad = None
 
 
-def _unshare_adam_steps(worker):
-    """megatron-core 0.16's distributed optimizer (torch Adam path, without TE/Apex) loads one
-    `step` tensor shared by every parameter's state; torch Adam increments it in place once
-    per parameter, so the next step's bias correction would be wrong. Give each its own."""
+def _adam_step(worker):
+    """Adam's step count (the same for every parameter), saved beside Megatron's state."""
+    for opt in _torch_optimizers(worker):
+        for state in opt.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return None
+
+
+def _restore_adam_steps(worker, step):
+    """megatron-core 0.16's distributed optimizer (torch Adam path, without TE/Apex) does not
+    round-trip Adam's step count through its dp_reshardable state (it comes back as the one
+    zero-gradient step taken to create the state), and loads one `step` tensor shared by every
+    parameter, which torch Adam would increment once per parameter. Each parameter gets its own
+    tensor holding the saved count, so the next step's bias correction is the uninterrupted one."""
     for opt in _torch_optimizers(worker):
         for state in opt.state.values():
             if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+                value = state["step"] if step is None else torch.tensor(step)
+                state["step"] = value.clone().to(state["step"].dtype)
 
 
 def _optim_metadata(sharding):
@@ -387,7 +399,7 @@ class CheckpointManager:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=worker.scheduler is not None,
-                               chunks=len(worker.models))
+                               chunks=len(worker.models), adam_step=_adam_step(worker))
         torch.save(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"))
         _barrier()
 
@@ -476,7 +488,7 @@ class CheckpointManager:
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])
-                _unshare_adam_steps(worker)
+                _restore_adam_steps(worker, info.get("adam_step"))
             if load_optimizer and worker.scheduler is not None and "scheduler" in loaded:
                 worker.scheduler.load_state_dict(loaded["scheduler"])
 

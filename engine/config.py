@@ -150,13 +150,13 @@ class MegatronConfig:
     recompute_method: Optional[RecomputeMethod] = None
     recompute_num_layers: Optional[int] = None
     seed: int = 42
-    params_dtype: ParamsDtype = "bfloat16"
+    params_dtype: Optional[ParamsDtype] = "bfloat16"  # ref / critic / reward model: null = the actor's
 
 
 def _inherited_megatron() -> MegatronConfig:
     return MegatronConfig(tensor_model_parallel_size=None, pipeline_model_parallel_size=None,
                           context_parallel_size=None, expert_model_parallel_size=None,
-                          sequence_parallel=None)
+                          sequence_parallel=None, params_dtype=None)
 
 
 @dataclass
@@ -578,6 +578,9 @@ def validate(cfg: TridentConfig) -> None:
     """Raise ConfigError for the first impossible value or inconsistent combination."""
     _validate_data(cfg.data)
     arr = cfg.actor_rollout_ref
+    if arr.actor.megatron.params_dtype is None:
+        _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
+              "the actor's parameter dtype must be set: float32, bfloat16 or float16")
     if not arr.hybrid_engine:
         _fail("actor_rollout_ref.hybrid_engine", False,
               "only the colocated hybrid engine is implemented; set it to true")
@@ -799,6 +802,8 @@ def _resolve_megatron(m: MegatronConfig, actor: MegatronConfig) -> MegatronConfi
             setattr(out, name, getattr(actor, name))
     if out.expert_tensor_parallel_size is None:
         out.expert_tensor_parallel_size = out.tensor_model_parallel_size
+    if out.params_dtype is None:  # the reference must see the actor's exact weights
+        out.params_dtype = actor.params_dtype
     return out
 
 

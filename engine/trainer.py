@@ -97,9 +97,13 @@ class Trainer:
                 self.save()
         if trainer.save_hf:
             from engine.models.hf_io import save_hf_weights
-            save_hf_weights(self.actor.chunks, self.hf_config,
-                            os.path.join(trainer.default_local_dir, "hf"),
-                            tokenizer=self.tokenizer)
+            out = os.path.join(trainer.default_local_dir, "hf", f"step_{self.step_count}")
+            source = self.cfg.actor_rollout_ref.model.path
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            dist.barrier()
+            save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
+            if self.rank == 0 and not source:  # a built-in task's tokenizer
+                self.tokenizer.save_pretrained(out)
         self.logger.close()
         return self.step_count
 

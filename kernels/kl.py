@@ -114,6 +114,7 @@ def linear_full_kl(hidden, weight, ref_hidden, ref_weight, temperature=1.0, tp_g
         raise ValueError(f"temperature={temperature} must be > 0")
     if hidden.dtype != weight.dtype or ref_hidden.dtype != ref_weight.dtype:
         raise ValueError("hidden and weight (and ref_hidden and ref_weight) must share a dtype")
+    # actor and reference logits chunks live at once: half the default tokens each
     chunk = chunk_tokens or max(1, default_chunk_tokens(weight.shape[0], hidden.device) // 2)
     lead = hidden.shape[:-1]
     kl = _LinearFullKL.apply(hidden.reshape(-1, hidden.shape[-1]), weight,

@@ -36,8 +36,15 @@ def _worker_main(rank, world_size, port, inbox, outbox):
     torch.set_num_threads(1)  # N ranks share 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    import queue
+    parent = os.getppid()
     while True:
-        job = inbox.get()
+        try:
+            job = inbox.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session died: do not linger
+                break
+            continue
         if job is None:
             break
         fn, args, kwargs = job
@@ -68,7 +75,9 @@ class _Pool:
         port = _free_port()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outboxes = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker_main, daemon=True,
+        # Not daemons: megatron's checkpoint writer starts processes of its own, which daemonic
+        # processes may not. Workers exit when the session closes them or when it dies.
+        self.procs = [ctx.Process(target=_worker_main, daemon=False,
                                   args=(r, world_size, port, self.inboxes[r], self.outboxes[r]))
                       for r in range(world_size)]
         for p in self.procs:

@@ -345,3 +345,16 @@ def test_derived_config_round_trips_and_rederives_identically(tmp_path):
     path.write_text(to_yaml(d.config))
     again = derive(load_config(str(path)), 2, dataset_len=64)
     assert dataclasses.asdict(again.config) == dataclasses.asdict(d.config) and again.actor == d.actor
+
+
+def test_reference_and_critic_take_the_actors_param_dtype():
+    from engine.config import derive
+    d = derive(demo("actor_rollout_ref.actor.megatron.params_dtype=float32",
+                    "algorithm.adv_estimator=gae"), 2)
+    assert d.config.actor_rollout_ref.ref.megatron.params_dtype == "float32"
+    assert d.config.critic.megatron.params_dtype == "float32"
+    d = derive(demo("actor_rollout_ref.actor.megatron.params_dtype=float32",
+                    "actor_rollout_ref.ref.megatron.params_dtype=bfloat16"), 2)
+    assert d.config.actor_rollout_ref.ref.megatron.params_dtype == "bfloat16"
+    assert_mentions(error_of(demo, "actor_rollout_ref.actor.megatron.params_dtype=null"),
+                    "actor_rollout_ref.actor.megatron.params_dtype", "float32")

@@ -70,6 +70,14 @@ def test_each_estimator_trains(tmp_path, estimator, extra):
     assert tb, "TensorBoard event file missing"
 
 
+def _process_or_none(pid):
+    import psutil
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _wait_for(predicate, timeout, proc):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,7 +85,7 @@ def _wait_for(predicate, timeout, proc):
             return True
         if proc.poll() is not None:
             return False
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
 
 
@@ -88,16 +96,22 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy
 def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
     """A run SIGKILLed during step 3 (after the step-2 checkpoint) and resumed gives, at step 4,
     the same metrics and bit-identical weights as a run that was never interrupted."""
-    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true"]
+    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true",
+              "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
     _, straight = _run(tmp_path, "straight", common, steps=4)
 
     proc = _launch(tmp_path, "killed", common, steps=4)
     ckpt = tmp_path / "ckpt" / "killed" / "global_step_2"
     assert _wait_for(ckpt.exists, 240, proc), "the step-2 checkpoint never appeared"
-    time.sleep(0.3)  # into step 3
-    os.killpg(proc.pid, signal.SIGKILL)
+    # within ~20 ms, i.e. during step 3; torchrun starts its workers in sessions of their own,
+    # so every descendant is killed, not just the launcher's process group
+    import psutil
+    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "ckpt" / "killed" / "hf").exists()
+    psutil.wait_procs([p for p in map(_process_or_none, victims) if p], timeout=30)
+    assert not (tmp_path / "ckpt" / "killed" / "hf" / "step_4").exists()
     out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
     assert "resumed from" in out and "at step 2" in out, out[-2000:]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # records after the checkpoint redone
@@ -108,7 +122,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
     from safetensors.torch import load_file
     def weights(name):
         out = {}
-        for f in sorted((tmp_path / "ckpt" / name / "hf").glob("*.safetensors")):
+        for f in sorted((tmp_path / "ckpt" / name / "hf" / "step_4").glob("*.safetensors")):
             out.update(load_file(str(f)))
         return out
     a, b = weights("straight"), weights("killed")

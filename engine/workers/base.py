@@ -132,6 +132,9 @@ class MegatronWorker:
         self.chunks = [DistributedDataParallel(c.config, ddp_cfg, c,
                                                disable_bucketing=i > 0)
                        for i, c in enumerate(self.chunks)]
+        for chunk in self.chunks:
+            # DP replicas must start identical (CPU init draws from each rank's own generator)
+            chunk.broadcast_params()
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
             weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
