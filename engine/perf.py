@@ -52,3 +52,15 @@ def step_flops(n_params, tokens, *, ppo_epochs=1, critic_epochs=1, critic=False,
     if critic:
         passes += 1 + 3 * critic_epochs
     return 2.0 * n_params * tokens * passes
+
+
+def peak_rss_bytes():
+    """This process's peak resident memory (VmHWM). Unlike getrusage's ru_maxrss, it belongs to
+    the current address space, so a process spawned by a large parent does not inherit the
+    parent's peak through fork + exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

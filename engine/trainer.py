@@ -392,12 +392,12 @@ class Trainer:
 
 def peak_memory_gb():
     """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
-    import resource
+    from engine.perf import peak_rss_bytes
     if torch.cuda.is_available():
         t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
         key = "perf/max_memory_allocated_gb"
     else:
-        t = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])  # KiB
+        t = torch.tensor([peak_rss_bytes() / 2**30])
         key = "perf/cpu_peak_rss_gb"
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {key: float(t)}

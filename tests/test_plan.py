@@ -103,8 +103,10 @@ def _measure(rank, world, port, model, tp, sp, micro, n_micro, seq, out):
     opt.step()
     done.set()
     sampler.join()
-    # ru_maxrss (KiB) is exact where the sampler could miss a short spike
-    peak_bytes = max(peak[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    # VmHWM is exact where the sampler could miss a short spike (ru_maxrss is not: a spawned
+    # child inherits the parent's peak through fork + exec, e.g. a large pytest process)
+    from engine.perf import peak_rss_bytes
+    peak_bytes = max(peak[0], peak_rss_bytes())
     out.put((rank, peak_bytes - base))
     dist.destroy_process_group()
 

@@ -190,7 +190,8 @@ def gguf_to_hf(gguf_path, out_dir):
 
 def peak_rss_mib():
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from engine.perf import peak_rss_bytes
+    return peak_rss_bytes() / 2**20
 
 
 def _layout(args):

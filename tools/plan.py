@@ -148,13 +148,18 @@ def shape_of(hf) -> Shape:
         k_rope=g("qk_rope_head_dim", default=0) if mla else 0)
 
 
-def stage_params(s: Shape, tp: int, pp: int, ep: int, etp: int, stage: int, head: str = "lm"):
+def stage_params(s: Shape, tp: int, pp: int, ep: int, etp: int, stage: int, head: str = "lm",
+                 te: bool = True):
     """(dense, expert) parameter counts of one rank of pipeline stage `stage` (analytic; the
-    tests check it against meta builds)."""
+    tests check it against meta builds). `te`: TransformerEngine's layer spec, whose MLA
+    down-projections are replicated over TP; Megatron's local spec splits them (column
+    parallel), so a CPU build counts them divided by TP."""
     h, a, g = s.h, s.a, s.g
-    if s.q_lora or s.kv_lora:  # MLA: down-projections replicated, up-projections split over TP
-        q = (h * s.q_lora + s.q_lora + s.q_lora * a * s.k_qk // tp) if s.q_lora else h * a * s.k_qk // tp
-        attn = (q + h * (s.kv_lora + s.k_rope) + s.kv_lora
+    if s.q_lora or s.kv_lora:  # MLA: up-projections split over TP
+        down = 1 if te else tp
+        q = (h * s.q_lora // down + s.q_lora + s.q_lora * a * s.k_qk // tp) if s.q_lora \
+            else h * a * s.k_qk // tp
+        attn = (q + h * (s.kv_lora + s.k_rope) // down + s.kv_lora
                 + s.kv_lora * a * (s.k_qk - s.k_rope + s.k_v) // tp + a * s.k_v * h // tp)
     else:
         qkv = (a + g) * s.k_qk + g * s.k_v
