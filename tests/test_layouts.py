@@ -153,3 +153,21 @@ def test_tp2_pp2_four_ranks():
 
 def test_pp2_ep2_moe_four_ranks():
     _check("qwen2_moe", 4, dict(pp=2, ep=2), n_micro=2)
+
+
+def _build_with_cp2():
+    from engine.models.builder import build_model
+    from parallel.mesh import Layout, init_mesh
+    init_mesh(Layout(cp=2))
+    try:
+        build_model(tiny_config("llama"))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_context_parallel_is_validated_and_needs_te_on_cpu():
+    # Megatron's context parallelism runs on TE attention: its equivalence test is
+    # tests/gpu/test_context_parallel.py; here the layout validates and the build says why not.
+    for message in run_on_ranks(_build_with_cp2, 2):
+        assert message and "context_parallel_size=2" in message and "TransformerEngine" in message

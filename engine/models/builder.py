@@ -19,7 +19,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec
-from engine.models.local_modules import CoreAttention, Norm
+from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope
 
 
 def te_available():
@@ -154,6 +154,13 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
                                 recompute_num_layers=recompute_num_layers,
                                 overrides=config_overrides)
     use_te = te_available()
+    if config.context_parallel_size > 1 and not use_te:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size} needs TransformerEngine's "
+            "attention on a GPU (pip install -e .[gpu]); set "
+            "actor_rollout_ref.actor.megatron.context_parallel_size=1 on this machine")
+    if not use_te:
+        install_fast_thd_rope()
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vpp):

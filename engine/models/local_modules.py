@@ -99,3 +99,37 @@ class CoreAttention(torch.nn.Module):
             q, k, v, attn_mask=allowed, scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0)
         return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)
+
+
+def install_fast_thd_rope():
+    """RoPE for packed (THD) sequences without a Python loop over the sequences.
+
+    Megatron's unfused THD path builds each sequence's frequencies in a loop of split / slice /
+    cat (dozens of small ops per sequence and layer); TE's fused kernel replaces it on GPU.
+    Here the per-token position inside its sequence indexes the frequency table once. Only
+    without context parallelism, where the two are the same computation.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__",
+                       rope_utils._apply_rotary_pos_emb_thd)
+
+    def fast(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+             mscale=1.0, cp_group=None):
+        if cp_group is not None and cp_group.size() > 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale,
+                            cp_group=cp_group)
+        total = t.shape[0]
+        if freqs.size(0) == int(cu_seqlens[-1]):
+            positions = torch.arange(total, device=t.device)  # table already per packed token
+        else:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+            positions = torch.arange(total, device=t.device) - starts.to(t.device)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    fast.__wrapped__ = original
+    rope_utils._apply_rotary_pos_emb_thd = fast
