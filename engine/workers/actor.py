@@ -88,13 +88,7 @@ class ActorWorker(LogProbModel):
         and ref_log_prob when `use_kl_loss`. Returns metrics averaged over optimizer steps.
         """
         cfg = self.cfg
-        for c in self.chunks:
-            c.train()
-        if micro_batch_size is None and max_tokens is None:
-            if cfg.use_dynamic_bsz:
-                max_tokens = cfg.ppo_max_token_len_per_gpu
-            else:
-                micro_batch_size = cfg.ppo_micro_batch_size_per_gpu
+        micro_batch_size, max_tokens = self.start_update(micro_batch_size, max_tokens)
         history = defaultdict(list)
         dp_group = ps.get_data_parallel_group()
         for epoch in range(cfg.ppo_epochs):

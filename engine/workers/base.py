@@ -205,6 +205,18 @@ class MegatronWorker:
         return tensor
 
     # -- optimisation ----------------------------------------------------------------------
+    def start_update(self, micro_batch_size=None, max_tokens=None):
+        """Training mode, and the micro-batch split: given, or by tokens (`use_dynamic_bsz`),
+        or by `ppo_micro_batch_size_per_gpu` from this model's config section."""
+        for c in self.chunks:
+            c.train()
+        if micro_batch_size is None and max_tokens is None:
+            if self.cfg.use_dynamic_bsz:
+                max_tokens = self.cfg.ppo_max_token_len_per_gpu
+            else:
+                micro_batch_size = self.cfg.ppo_micro_batch_size_per_gpu
+        return micro_batch_size, max_tokens
+
     def zero_grad(self):
         for chunk in self.chunks:
             chunk.zero_grad_buffer()

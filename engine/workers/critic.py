@@ -48,13 +48,7 @@ class CriticWorker(MegatronWorker):
     def update_critic(self, batch: Batch, *, micro_batch_size=None, max_tokens=None):
         """batch: input_ids, attention_mask, responses, response_mask, values, returns."""
         cfg = self.cfg
-        for c in self.chunks:
-            c.train()
-        if micro_batch_size is None and max_tokens is None:
-            if cfg.use_dynamic_bsz:
-                max_tokens = cfg.ppo_max_token_len_per_gpu
-            else:
-                micro_batch_size = cfg.ppo_micro_batch_size_per_gpu
+        micro_batch_size, max_tokens = self.start_update(micro_batch_size, max_tokens)
         history = defaultdict(list)
         n, size = len(batch), self.mini_batch_size_per_rank or len(batch)
         for _ in range(cfg.ppo_epochs or 1):
