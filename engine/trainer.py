@@ -114,6 +114,7 @@ class Trainer:
         with Timer("step", timings):
             with Timer("update_weights", timings):
                 sync = self.sync_weights()
+            self._offload_training(True)
             with Timer("gen", timings):
                 batch = self.generate(prompts, self._sampling(train=True))
             if alg.adv_estimator == "remax":
@@ -123,6 +124,7 @@ class Trainer:
                 batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
                     cfg.actor_rollout_ref.rollout.n)
             self.hybrid.to_training()
+            self._offload_training(False)
             with Timer("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
             with Timer("old_log_prob", timings):
@@ -154,12 +156,21 @@ class Trainer:
         if self.kl_guard is not None:
             metrics.update(self._apply_kl_guard(metrics))
         metrics["training/epoch"] = prompts.epoch
+        # what the data policy (data.truncation) did to the training set's bad rows
+        metrics.update(self.train_data.filter_counts)
+        metrics["data/truncated_prompts"] = self.train_data.num_truncated
         return metrics
 
     # -- steps -----------------------------------------------------------------------------
     def sync_weights(self):
         """The rollout engine takes its memory back and receives the actor's current weights."""
         return self.hybrid.to_rollout()
+
+    def _offload_training(self, offload):
+        """While the rollout engine generates, the models give back what their config offloads."""
+        for worker in (self.actor, self.critic, self.ref):
+            if worker is not None:
+                worker.offload() if offload else worker.reload()
 
     def _sampling(self, train=True, greedy=False):
         r = self.cfg.actor_rollout_ref.rollout

@@ -16,6 +16,7 @@ from megatron.core import parallel_state as ps
 
 from engine.batch import Batch
 from engine.models.builder import build_model
+from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
 from parallel.packing import pack
 from parallel.schedule import forward_backward, split_by_count, split_by_tokens
 
@@ -104,6 +105,7 @@ class MegatronWorker:
                                   **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
+        self._offloader = Offloader()
         if optim_cfg is not None:
             self._setup_training(optim_cfg, total_steps)
         for model in self.models:
@@ -193,6 +195,23 @@ class MegatronWorker:
         seq_length = max(mb.tokens.shape[1] for mb in micro)
         return forward_backward(self.chunks, micro, step, forward_only=forward_only,
                                 seq_length=seq_length, micro_batch_size=micro[0].tokens.shape[0])
+
+    # -- colocation ------------------------------------------------------------------------
+    def offload(self):
+        """Free what the config asks (param_offload / grad_offload / optimizer_offload) while
+        the rollout engine has the device; `reload()` brings it back."""
+        m, params = self.megatron_cfg, model_params(self.chunks)
+        tensors = []
+        if m.param_offload:
+            tensors += params
+        if m.grad_offload:
+            tensors += model_grads(self.chunks)
+        if m.optimizer_offload and self.optimizer is not None:
+            tensors += optimizer_tensors(self.optimizer)
+        return self._offloader.offload(tensors, keep=[] if m.param_offload else params)
+
+    def reload(self):
+        return self._offloader.reload()
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype=torch.float32):
         """Forward-only results live on the last pipeline stage; every stage needs them."""

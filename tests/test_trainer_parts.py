@@ -1,0 +1,42 @@
+"""Pieces of the trainer that are plain logic: the KL guard and DP metric reduction."""
+import types
+
+import pytest
+import torch
+
+from engine.trainer import KLGuard
+from tests.multirank import run_on_ranks
+
+
+def _guard(**kw):
+    cfg = types.SimpleNamespace(**dict(dict(kl_ceiling=0.1, entropy_floor=0.5, raise_factor=2.0,
+                                            lower_factor=0.5), **kw))
+    return KLGuard(cfg, coef=0.01)
+
+
+def test_kl_guard_raises_the_coefficient_above_the_ceiling():
+    g = _guard()
+    assert g.update(kl=0.3, entropy=1.0) == {"kl_guard/kl_coef": 0.02, "kl_guard/action": 1}
+    assert g.update(kl=0.3, entropy=1.0)["kl_guard/kl_coef"] == pytest.approx(0.04)
+
+
+def test_kl_guard_lowers_it_when_entropy_collapses_and_holds_otherwise():
+    g = _guard()
+    assert g.update(kl=0.05, entropy=0.2) == {"kl_guard/kl_coef": 0.005, "kl_guard/action": -1}
+    assert g.update(kl=0.05, entropy=0.9) == {"kl_guard/kl_coef": 0.005, "kl_guard/action": 0}
+    assert g.update(kl=None, entropy=None)["kl_guard/action"] == 0
+
+
+def _reduce(values):
+    import torch.distributed as dist
+    from engine.trainer import reduce_over_dp
+    from parallel.mesh import Layout, init_mesh
+    init_mesh(Layout())
+    return reduce_over_dp(values[dist.get_rank()], 2)
+
+
+def test_metrics_of_dp_shards_reduce_to_the_global_batch():
+    shards = [{"critic/score/mean": 1.0, "critic/score/max": 3.0, "critic/score/min": -1.0},
+              {"critic/score/mean": 2.0, "critic/score/max": 2.0, "critic/score/min": -4.0}]
+    for out in run_on_ranks(_reduce, 2, shards):
+        assert out == {"critic/score/mean": 1.5, "critic/score/max": 3.0, "critic/score/min": -4.0}
