@@ -120,10 +120,13 @@ def load_global(chunks, get: Callable[[str], object]):
     """Fill every local parameter with its piece of the global tensor `get(global_name)`.
 
     `get` may return a tensor or a lazily sliceable object (safetensors' `get_slice`), so each
-    rank reads only the bytes it owns.
+    rank reads only the bytes it owns, or None to leave that parameter as it is.
     """
     for param, shard in local_shards(chunks):
-        piece = shard.take(get(shard.global_name))
+        full = get(shard.global_name)
+        if full is None:  # the source has nothing for this parameter: it keeps its value
+            continue
+        piece = shard.take(full)
         if tuple(piece.shape) != tuple(param.shape):
             raise ValueError(f"{shard.global_name}: the piece for this rank has shape "
                              f"{tuple(piece.shape)}, the model expects {tuple(param.shape)}")

@@ -65,9 +65,21 @@ def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
     return out
 
 
-def validate_checkpoint(hf_config, index) -> None:
+# A scalar-head model (critic, reward model) reads its head from a sequence-classification
+# checkpoint's `score.weight` [1, hidden] when there is one; a critic started from a causal LM
+# keeps its freshly initialised head, and neither needs the LM head.
+SCORE_HEAD = "score.weight"
+VALUE_HEAD = "value_head.weight"
+
+
+def validate_checkpoint(hf_config, index, head: str = "lm") -> None:
     """One clear error unless the checkpoint holds exactly the tensors this config needs."""
-    expected = weights.expected_hf_tensors(hf_config)
+    expected = dict(weights.expected_hf_tensors(hf_config))
+    if head == "value":
+        for name in [n for n in expected if n not in index and n.startswith("lm_head.")]:
+            expected.pop(name)  # a reward-model checkpoint has a score head instead
+        if SCORE_HEAD in index:
+            expected[SCORE_HEAD] = (1, hf_config.hidden_size)
     missing = sorted(set(expected) - set(index))
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) the config needs, e.g. "
@@ -114,7 +126,8 @@ def load_hf_weights(chunks, hf_dir: str, hf_config=None) -> None:
     only the slices this rank owns. Validates the checkpoint against the config first."""
     hf_config = hf_config or load_config(hf_dir)
     index = read_index(hf_dir)
-    validate_checkpoint(hf_config, index)
+    head = "value" if any(s.global_name == VALUE_HEAD for _, s in local_shards(chunks)) else "lm"
+    validate_checkpoint(hf_config, index, head)
     handles = {}
 
     def read(hf_name):
@@ -124,6 +137,8 @@ def load_hf_weights(chunks, hf_dir: str, hf_config=None) -> None:
         return handles[path].get_slice(hf_name)
 
     def get(global_name):
+        if global_name == VALUE_HEAD:
+            return read(SCORE_HEAD) if SCORE_HEAD in index else None  # None: keep the init
         return weights.megatron_from_hf(hf_config, global_name, read)
 
     try:
