@@ -25,6 +25,7 @@ class Components:
     val_data: Optional[Any]
     checkpoints: Optional[Any]
     peak_flops: Optional[float]
+    reward_model: Optional[Any] = None
 
 
 def load_hf_config(model_cfg, vocab_size=None):
@@ -134,6 +135,13 @@ def build(cfg, world_size) -> Components:
                            [tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids),
                            pad_token_id=pad, **_rollout_kwargs(cfg))
     reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    reward_model = None
+    if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
+        from engine.models.hf_io import load_hf_weights
+        from engine.workers.reward_model import RewardModelWorker
+        rm_config = load_hf_config(cfg.reward_model.model)
+        reward_model = RewardModelWorker(rm_config, cfg.reward_model, pad_token_id=pad)
+        load_hf_weights(reward_model.chunks, cfg.reward_model.model.path, hf_config=rm_config)
     checkpoints = None
     if cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable":
         from engine.checkpoint import CheckpointManager
@@ -141,7 +149,7 @@ def build(cfg, world_size) -> Components:
                                         keep_last=cfg.trainer.max_actor_ckpt_to_keep)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak)
+                               train_data, val_data, checkpoints, peak, reward_model)
 
 
 def _rollout_kwargs(cfg):

@@ -52,7 +52,7 @@ class Trainer:
         c = components
         self.tokenizer, self.hf_config = c.tokenizer, c.hf_config
         self.actor, self.ref, self.critic = c.actor, c.ref, c.critic
-        self.rollout, self.reward_fn = c.rollout, c.reward_fn
+        self.rollout, self.reward_fn, self.reward_model = c.rollout, c.reward_fn, c.reward_model
         self.train_data, self.val_data = c.train_data, c.val_data
         self.checkpoints = c.checkpoints
         self.peak_flops = c.peak_flops
@@ -240,10 +240,12 @@ class Trainer:
         return batch
 
     def compute_scores(self, batch):
+        """Rule rewards by data_source, plus the reward model's score when one is enabled."""
+        model_scores = self.reward_model.compute_scores(batch) if self.reward_model else None
         return self.reward_fn(batch["responses"], batch["response_mask"],
                               ground_truths=list(batch["ground_truth"]),
                               data_sources=list(batch["data_source"]),
-                              extra_infos=list(batch["extra_info"]))
+                              extra_infos=list(batch["extra_info"]), model_scores=model_scores)
 
     def _scores(self, batch):
         scores, _ = self.compute_scores(batch)

@@ -18,7 +18,6 @@ def _scores(hf_dir, batch, layout):
 
     init_mesh(Layout(**layout), seed=1)
     hf = transformers.AutoConfig.from_pretrained(hf_dir)
-    hf.architectures = ["LlamaForCausalLM"]  # the trunk; the head is the worker's
     meg = dataclasses.replace(MegatronConfig(params_dtype="float32"),
                               tensor_model_parallel_size=layout.get("tp", 1))
     cfg = RewardModelConfig(enable=True, model=ModelConfig(path=hf_dir, use_remove_padding=True),

@@ -256,7 +256,8 @@ _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 def architecture_of(hf_config):
     archs = getattr(hf_config, "architectures", None) or []
     if archs:
-        return archs[0]
+        # a reward model's checkpoint names its head; the trunk is the causal LM's
+        return archs[0].replace("ForSequenceClassification", "ForCausalLM")
     return _MODEL_TYPES.get(getattr(hf_config, "model_type", None), str(
         getattr(hf_config, "model_type", None)))
 
