@@ -321,6 +321,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = None  # null: keep all
     save_hf: bool = False
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
+    profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
     seed: int = 1
 
 

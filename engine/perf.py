@@ -64,3 +64,60 @@ def peak_rss_bytes():
                 return int(line.split()[1]) * 1024
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class CommTimer:
+    """Seconds the training loop spends *blocked* in torch.distributed collectives, per phase.
+
+    Synchronous collectives count whole; asynchronous ones (Megatron's overlapped gradient
+    reduce / parameter gather) count only the time their `wait()` blocks. Comparing a phase
+    with Megatron's overlap switches on and off gives how much communication compute hid.
+    """
+
+    OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+           "broadcast", "all_to_all_single", "barrier", "_all_gather_base", "_reduce_scatter_base")
+
+    def __init__(self):
+        self.seconds = {}
+        self.phase = "other"
+        self._originals = {}
+
+    def _add(self, dt):
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + dt
+
+    def _wrap(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            work = fn(*args, **kwargs)
+            self._add(time.perf_counter() - t0)
+            if work is not None and hasattr(work, "wait"):
+                wait = work.wait
+
+                def timed_wait(*a, **k):
+                    t1 = time.perf_counter()
+                    try:
+                        return wait(*a, **k)
+                    finally:
+                        self._add(time.perf_counter() - t1)
+                try:
+                    work.wait = timed_wait
+                except AttributeError:  # C++ Work objects may not take attributes: time it now
+                    t1 = time.perf_counter()
+                    wait()
+                    self._add(time.perf_counter() - t1)
+            return work
+        return timed
+
+    def install(self):
+        import torch.distributed as dist
+        for name in self.OPS:
+            if hasattr(dist, name) and name not in self._originals:
+                self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(self._originals[name]))
+        return self
+
+    def uninstall(self):
+        import torch.distributed as dist
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()

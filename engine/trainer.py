@@ -6,6 +6,7 @@ timed and tested alone. Data parallelism splits a step's prompts by DP rank (all
 of a prompt stay on one rank, so group advantages are local); generation is spread over every
 rank and gathered back, since on the CPU backend each rank holds a whole rollout model.
 """
+import contextlib
 import os
 import random
 from collections import defaultdict
@@ -21,7 +22,7 @@ from engine.algorithms.losses import apply_kl_penalty
 from engine.batch import Batch
 from engine.data import PromptLoader, left_pad
 from engine.hybrid import HybridEngine
-from engine.perf import step_flops
+from engine.perf import CommTimer, step_flops
 from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
 from engine.rollout.base import SamplingParams
 
@@ -67,6 +68,7 @@ class Trainer:
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
+        self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
                                    arr.rollout.update_weights_bucket_megabytes)
         self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
@@ -112,46 +114,49 @@ class Trainer:
         timings = defaultdict(float)
         cfg, alg = self.cfg, self.cfg.algorithm
         with Timer("step", timings):
-            with Timer("update_weights", timings):
+            with self._phase("update_weights", timings):
                 sync = self.sync_weights()
             self._offload_training(True)
-            with Timer("gen", timings):
+            with self._phase("gen", timings):
                 batch = self.generate(prompts, self._sampling(train=True))
             if alg.adv_estimator == "remax":
-                with Timer("gen", timings):
+                with self._phase("gen", timings):
                     baseline = self.generate(prompts, self._sampling(train=True, greedy=True),
                                              n=1)
                 batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
                     cfg.actor_rollout_ref.rollout.n)
             self.hybrid.to_training()
             self._offload_training(False)
-            with Timer("reward", timings):
+            with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
-            with Timer("old_log_prob", timings):
+            with self._phase("old_log_prob", timings):
                 batch["old_log_probs"] = self.actor.compute_log_prob(
                     batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
                     **self._log_prob_split("rollout"))
             if self.ref is not None:
-                with Timer("ref", timings):
+                with self._phase("ref", timings):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
                         **self._log_prob_split("ref"))
             if self.critic is not None:
-                with Timer("values", timings):
+                with self._phase("values", timings):
                     batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
             metrics = {}
-            with Timer("adv", timings):
+            with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
             if self.critic is not None:
-                with Timer("update_critic", timings):
+                with self._phase("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch))
-            with Timer("update_actor", timings):
+            with self._phase("update_actor", timings):
                 metrics.update(self.actor.update_policy(
                     batch, temperature=cfg.actor_rollout_ref.rollout.temperature))
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
         metrics["perf/update_weights_gb"] = sync.bytes / 1e9
+        if self.comm is not None:  # seconds blocked in collectives, per phase
+            metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
+            self.comm.seconds.clear()
         metrics.update(self._perf_metrics(batch, timings["timing_s/step"]))
         if self.kl_guard is not None:
             metrics.update(self._apply_kl_guard(metrics))
@@ -165,6 +170,16 @@ class Trainer:
     def sync_weights(self):
         """The rollout engine takes its memory back and receives the actor's current weights."""
         return self.hybrid.to_rollout()
+
+    @contextlib.contextmanager
+    def _phase(self, name, timings):
+        """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
+        if self.comm is not None:
+            self.comm.phase = name
+        with Timer(name, timings):
+            yield
+        if self.comm is not None:
+            self.comm.phase = "other"
 
     def _offload_training(self, offload):
         """While the rollout engine generates, the models give back what their config offloads."""

@@ -56,7 +56,7 @@ def _configs(**actor_kw):
     return actor, critic, ModelConfig()
 
 
-def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1):
+def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, overlap=False):
     from megatron.core import parallel_state as ps
 
     from engine.workers.actor import ActorWorker
@@ -71,6 +71,10 @@ def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1):
                                                 ppo_max_token_len_per_gpu=24,
                                                 ppo_micro_batch_size_per_gpu=micro)
     model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed)
+    if overlap:  # Megatron's overlapped gradient reduce / parameter gather
+        meg = dataclasses.replace(actor_cfg.megatron, overlap_grad_reduce=True,
+                                  overlap_param_gather=True)
+        actor_cfg = dataclasses.replace(actor_cfg, megatron=meg)
     critic_cfg = dataclasses.replace(critic_cfg, use_dynamic_bsz=dynamic,
                                      ppo_max_token_len_per_gpu=24,
                                      ppo_micro_batch_size_per_gpu=micro)
@@ -135,6 +139,16 @@ CASES = [
     ("pp2", 2, dict(pp=2), 2, False, True),
     ("pp2_dynamic", 2, dict(pp=2), None, True, True),
 ]
+
+
+def test_overlapped_communication_gives_the_same_update():
+    ref_metrics, ref_weights, _ = _reference("actor")
+    metrics, weights, _ = _collect(run_on_ranks(_run_update, 2, {}, 1, False, True, "actor",
+                                                overlap=True))
+    for k in ref_metrics:
+        assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
+    for n in ref_weights:
+        torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=0, msg=n)
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])

@@ -54,6 +54,9 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baseline", action="store_true",
                         help="also time a plain transformers loop doing the same work")
+    parser.add_argument("--overlap", action="store_true",
+                        help="run with Megatron's overlap switches off and on, side by side, and "
+                             "report the time blocked in collectives per phase")
     parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides")
 
 
@@ -84,7 +87,37 @@ def summarise(records, warmup):
            "peak_memory_gb": med("perf/cpu_peak_rss_gb") or med("perf/max_memory_allocated_gb"),
            "tokens_per_step": med("perf/total_num_tokens")}
     out["phases_s"] = {p: med(f"timing_s/{p}") for p in PHASES if med(f"timing_s/{p}") is not None}
+    out["comm_s"] = {p: med(f"perf/comm_s/{p}") for p in PHASES + ("other",)
+                     if med(f"perf/comm_s/{p}") is not None}
     return out
+
+
+OVERLAP_KEYS = ("actor_rollout_ref.actor.megatron.overlap_grad_reduce",
+                "actor_rollout_ref.actor.megatron.overlap_param_gather")
+
+
+def compare_overlap(recipe, overrides, args):
+    """Blocked-in-collective seconds per phase with overlap off vs on; overlap_ratio is the
+    share of the off-run's communication that the on-run hid under compute."""
+    runs = {}
+    for state in ("false", "true"):
+        extra = [f"{k}={state}" for k in OVERLAP_KEYS] + ["trainer.profile_comm=true",
+                 "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
+        with tempfile.TemporaryDirectory() as tmp:
+            records, _ = run_trainer(recipe, overrides + extra, args.nproc,
+                                     args.warmup + args.steps, tmp)
+        runs[state] = summarise(records, args.warmup)
+    off, on = runs["false"]["comm_s"], runs["true"]["comm_s"]
+    print(f"\n{'phase':<16}{'comm off (s)':>14}{'comm on (s)':>13}{'overlap_ratio':>15}"
+          f"{'step off/on (s)':>18}")
+    ratios = {}
+    for phase in sorted(set(off) | set(on)):
+        a, b = off.get(phase, 0.0), on.get(phase, 0.0)
+        ratios[phase] = (1 - b / a) if a > 0 else None
+        r = f"{ratios[phase]:.2f}" if ratios[phase] is not None else "-"
+        print(f"{phase:<16}{a:14.3f}{b:13.3f}{r:>15}")
+    print(f"{'step':<16}{'':14}{'':13}{'':15}{runs['false']['step_s']:9.2f}/{runs['true']['step_s']:.2f}")
+    return {"off": runs["false"], "on": runs["true"], "perf/overlap_ratio": ratios}
 
 
 def print_table(name, summary, per_step=None):
@@ -110,6 +143,8 @@ def run(args):
     summary = summarise(records, args.warmup)
     summary.update(workload=args.workload, nproc=args.nproc, wall_s=wall)
     print_table(args.workload, summary, records)
+    if args.overlap:
+        summary["overlap"] = compare_overlap(recipe, overrides, args)
     if args.baseline:
         from tools.bench_baseline import run_baseline
         base_s = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)

@@ -137,6 +137,14 @@ class MegatronWorker:
         for chunk in self.chunks:
             # DP replicas must start identical (CPU init draws from each rank's own generator)
             chunk.broadcast_params()
+        # How Megatron's schedules drive DDP: gradients sync once per mini-batch (after the last
+        # micro-batch), and with overlap_grad_reduce bucket by bucket during that backward.
+        one = len(self.chunks) == 1
+        config = self.chunks[0].config
+        config.no_sync_func = self.chunks[0].no_sync if one else [c.no_sync for c in self.chunks]
+        if m.overlap_grad_reduce:
+            config.grad_sync_func = (self.chunks[0].start_grad_sync if one
+                                     else [c.start_grad_sync for c in self.chunks])
         opt_cfg = OptimizerConfig(
             optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
             weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
@@ -244,6 +252,11 @@ class MegatronWorker:
     def optimizer_step(self):
         """One optimizer step on the accumulated gradients; (grad_norm, lr)."""
         success, grad_norm, _ = self.optimizer.step()
+        if self.megatron_cfg.overlap_param_gather and self.megatron_cfg.use_distributed_optimizer:
+            # overlapped gathering would defer the updated parameters to the next forward's
+            # hooks; the rollout engine reads them before that, so gather them now
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
         if success:
             self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
