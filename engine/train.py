@@ -154,12 +154,13 @@ def build(cfg, world_size) -> Components:
 
 def _rollout_kwargs(cfg):
     r = cfg.actor_rollout_ref.rollout
+    record = dict(record_routing=True) if cfg.actor_rollout_ref.actor.router_replay else {}
     if r.name == "sglang":
         return dict(model_path=cfg.actor_rollout_ref.model.path,
                     tensor_model_parallel_size=r.tensor_model_parallel_size,
                     gpu_memory_utilization=r.gpu_memory_utilization,
-                    max_num_batched_tokens=r.max_num_batched_tokens, seed=r.seed)
-    return {}
+                    max_num_batched_tokens=r.max_num_batched_tokens, seed=r.seed, **record)
+    return record
 
 
 def main(argv=None):

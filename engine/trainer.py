@@ -217,16 +217,18 @@ class Trainer:
         mine = list(range(self.rank, total, self.world))
         out = self.rollout.generate([prompts.input_ids[i] for i in mine], sampling) if mine else None
         gathered = [None] * self.world
-        payload = None if out is None else (mine, out.responses, out.log_probs)
+        payload = None if out is None else (mine, out.responses, out.log_probs, out.routed_experts)
         dist.all_gather_object(gathered, payload)
-        responses, logps = {}, {}
+        responses, logps, routing = {}, {}, {}
         for item in gathered:
             if item is None:
                 continue
-            idx, resp, lps = item
+            idx, resp, lps, routed = item
             for k, p in enumerate(idx):
                 responses[p] = resp[k * n:(k + 1) * n]
                 logps[p] = lps[k * n:(k + 1) * n]
+                if routed is not None:  # MoE routing recorded for actor.router_replay
+                    routing[p] = routed[k * n:(k + 1) * n]
         rows = self._my_prompts(prompts) if rows is None else rows
         r = self.cfg.actor_rollout_ref.rollout
         prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
@@ -242,6 +244,9 @@ class Trainer:
             resp[k, :len(t)] = torch.tensor(t, dtype=torch.long)
             rmask[k, :len(t)] = 1
             rlp[k, :len(t)] = torch.tensor(lp[:width])
+        extra = {}
+        if routing:
+            extra["routed_experts"] = [routing[i][j] for i in rows for j in range(n)]
         batch = Batch(
             tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
                          attention_mask=torch.cat([prompt_mask, rmask], 1),
@@ -251,7 +256,7 @@ class Trainer:
                 uid=[prompts.indices[i] for i in rows for _ in range(n)],
                 ground_truth=[prompts.ground_truths[i] for i in rows for _ in range(n)],
                 data_source=[prompts.data_sources[i] for i in rows for _ in range(n)],
-                extra_info=[prompts.extra_infos[i] for i in rows for _ in range(n)]))
+                extra_info=[prompts.extra_infos[i] for i in rows for _ in range(n)], **extra))
         return batch
 
     def compute_scores(self, batch):

@@ -65,7 +65,7 @@ class ActorWorker(LogProbModel):
                  response_length=None):
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,
-                         pad_token_id=pad_token_id)
+                         pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay)
         self.cfg = actor_cfg
         self.response_length = response_length
 

@@ -34,6 +34,7 @@ class MicroBatch:
     response_lengths: List[int]   # per row, valid response tokens
     response_width: int           # R of the batch (response_mask.shape[1])
     last_tokens: torch.Tensor     # flat index of each row's last valid token
+    routing: Optional[list] = None  # per MoE layer [tokens, topk] experts to replay (router_replay)
 
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-prediction values [n] -> [rows, R] right-padded with zeros (differentiable)."""
@@ -54,6 +55,23 @@ def sample_sequences(batch: Batch):
         response = batch["responses"][i, : int(resp_len[i])]
         out.append((torch.cat([prompt, response]), prompt.numel(), int(resp_len[i])))
     return out
+
+
+def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape, packed):
+    """The rollout's recorded experts laid out in Megatron's token order, one tensor per MoE
+    layer ([tokens, topk]). The rollout never runs the last token of a response (it is sampled,
+    not fed back) nor padding; those positions take expert ids 0..topk-1 — their outputs reach
+    no log-prob (attention is causal and they come last)."""
+    recorded = [batch["routed_experts"][r] for r in rows]
+    layers, topk = recorded[0].shape[1], recorded[0].shape[2]
+    b, s = tokens_shape
+    flat = torch.arange(topk).expand(b * s, layers, topk).clone()  # [b*s, L, k], row-major (b, s)
+    for start, rec, (seq, _, _) in zip(starts, recorded, seqs):
+        n = min(rec.shape[0], seq.numel())
+        flat[start:start + n] = rec[:n].long()
+    # Megatron's router sees [s, b] flattened s-major
+    flat = flat.view(b, s, layers, topk).transpose(0, 1).reshape(s * b, layers, topk)
+    return [flat[:, layer].contiguous() for layer in range(layers)]
 
 
 def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of: int,
@@ -78,31 +96,40 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
         positions.append(pos)
         labels.append(seq[plen: plen + rlen])
         last.append(start + plen + rlen - 1)
+    routing = None
+    if "routed_experts" in batch:
+        routing = replay_routing(batch, rows, starts, seqs, tuple(tokens.shape), packed)
     return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
                       positions=torch.cat(positions), labels=torch.cat(labels),
                       response_lengths=[r for _, _, r in seqs], response_width=width,
-                      last_tokens=torch.tensor(last))
+                      last_tokens=torch.tensor(last), routing=routing)
 
 
 class MegatronWorker:
     """A model (actor, critic or reference) on this rank's Megatron layout."""
 
     def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
-                 total_steps=1, pad_token_id=0):
+                 total_steps=1, pad_token_id=0, router_replay=False):
         self.hf_config = hf_config
         self.megatron_cfg = megatron_cfg
         self.model_cfg = model_cfg
         self.pad_token_id = pad_token_id
         self.params_dtype = DTYPES[megatron_cfg.params_dtype]
+        if megatron_cfg.tp_comm_overlap:
+            raise ValueError("megatron.tp_comm_overlap=true needs TransformerEngine userbuffers, "
+                             "which Trident does not initialise yet; set tp_comm_overlap=false "
+                             "(overlap_grad_reduce / overlap_param_gather are supported)")
         recompute = {}
         if megatron_cfg.recompute_granularity or model_cfg.enable_gradient_checkpointing:
             recompute = dict(
                 recompute_granularity=megatron_cfg.recompute_granularity or "full",
                 recompute_method=megatron_cfg.recompute_method or "uniform",
                 recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
+        self.router_replay = router_replay
+        overrides = {"moe_enable_routing_replay": True} if router_replay else None
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
-                                  **recompute)
+                                  config_overrides=overrides, **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
         self._offloader = Offloader()
@@ -191,6 +218,8 @@ class MegatronWorker:
         output (hidden states [b, s, h] or values [b, s]) and returns (loss, info)."""
 
         def step(model, mb: MicroBatch):
+            if self.router_replay and mb.routing is not None:
+                self._set_replay(model, mb)
             out = model(mb.tokens, None if mb.packed_params is not None else
                         torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens), None,
                         packed_seq_params=mb.packed_params)
@@ -220,6 +249,26 @@ class MegatronWorker:
 
     def reload(self):
         return self._offloader.reload()
+
+    def _set_replay(self, model, mb):
+        """Point this chunk's routers at the rollout's choices for this micro-batch (sliced to
+        this rank's sequence shard under sequence parallelism)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        inner = getattr(model, "module", model)
+        pattern = inner.arch.moe_layer_pattern
+        tp = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+        for layer in inner.decoder.layers:
+            replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
+            if replay is None:
+                continue
+            ordinal = sum(pattern[: layer.layer_number - 1])  # MoE layers before this one
+            idx = mb.routing[ordinal]
+            shard = idx.shape[0] // tp
+            replay.clear_indices()
+            replay.set_target_indices(idx[rank * shard:(rank + 1) * shard])
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype=torch.float32):
         """Forward-only results live on the last pipeline stage; every stage needs them."""
