@@ -63,6 +63,16 @@ def _check_activation(cfg):
         raise ValueError(f"hidden_act={act!r} is not supported; these families use 'silu' (SwiGLU)")
 
 
+def _trunk(cfg):
+    """TransformerConfig settings every supported family shares: pre-norm RMSNorm, SwiGLU,
+    no linear biases."""
+    return dict(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                ffn_hidden_size=cfg.intermediate_size, normalization="RMSNorm",
+                layernorm_epsilon=_get(cfg, "rms_norm_eps", default=1e-6),
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+
+
 def _dense(cfg, family, *, qkv_bias=False, qk_norm=False):
     _check_activation(cfg)
     heads = cfg.num_attention_heads
@@ -72,17 +82,9 @@ def _dense(cfg, family, *, qkv_bias=False, qk_norm=False):
     return ArchSpec(
         family=family,
         transformer=dict(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=heads,
+            **_trunk(cfg),
             num_query_groups=_get(cfg, "num_key_value_heads", default=heads),
             kv_channels=head_dim,
-            ffn_hidden_size=cfg.intermediate_size,
-            normalization="RMSNorm",
-            layernorm_epsilon=_get(cfg, "rms_norm_eps", default=1e-6),
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
             add_qkv_bias=qkv_bias or bool(_get(cfg, "attention_bias", default=False)),
             qk_layernorm=qk_norm,
         ),
@@ -189,16 +191,8 @@ def _deepseek_v3(cfg):
     spec = ArchSpec(
         family="deepseek_v3",
         transformer=dict(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_attention_heads=heads,
+            **_trunk(cfg),
             num_query_groups=heads,
-            ffn_hidden_size=cfg.intermediate_size,
-            normalization="RMSNorm",
-            layernorm_epsilon=_get(cfg, "rms_norm_eps", default=1e-6),
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
             add_qkv_bias=False,
             qk_layernorm=True,  # MLA's q_a / kv_a layernorms are Megatron's q/kv "layernorm"
             multi_latent_attention=True,
