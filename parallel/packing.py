@@ -49,8 +49,3 @@ def pack(sequences: List[torch.Tensor], pad_id: int = 0, multiple_of: int = 1,
                              max_seqlen_q=seg_max, max_seqlen_kv=seg_max)
     return Packed(tokens=row, lengths=lengths, offsets=offsets, params=params)
 
-
-def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Index of the segment each of `total` packed positions belongs to."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)[:total]

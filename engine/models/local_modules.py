@@ -81,24 +81,26 @@ class CoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
     def _packed(self, query, key, value, params):
-        """THD: [t, heads, dim] with sequences back to back; causal within each sequence."""
-        from parallel.packing import segment_ids
+        """THD: [t, heads, dim] with sequences back to back; causal within each sequence.
 
+        One attention call per sequence: the work is the sum of squared lengths, not the
+        square of the packed row's length (RL batches pack many short sequences)."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
             else params.cu_seqlens_q
-        t = query.shape[0]
-        seg = segment_ids(cu.cpu(), t).to(query.device)
-        pos = torch.arange(t, device=query.device)
-        allowed = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0)
-        return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)
+        bounds = cu.tolist()
+        rep = query.shape[1] // key.shape[1]
+        out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end <= start:
+                continue
+            q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0)
+            out[start:end] = o.squeeze(0).permute(1, 0, 2)
+        return out.reshape(out.shape[0], -1)
 
 
 def install_fast_thd_rope():
