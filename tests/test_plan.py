@@ -118,8 +118,18 @@ def _run_fresh(world, *args):
         port = s.getsockname()[1]
     out = ctx.Queue()
     procs = [ctx.Process(target=_measure, args=(r, world, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
+    # one malloc arena per process: gloo's threads otherwise each keep freed memory in arenas
+    # of their own, which shows up as RSS the model never held (and varies run to run)
+    old = os.environ.get("MALLOC_ARENA_MAX")
+    os.environ["MALLOC_ARENA_MAX"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if old is None:
+            os.environ.pop("MALLOC_ARENA_MAX")
+        else:
+            os.environ["MALLOC_ARENA_MAX"] = old
     results = dict(out.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=30)
