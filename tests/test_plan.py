@@ -146,7 +146,7 @@ def _model(hidden, layers, heads, groups, ffn, vocab, family="qwen2"):
 CASES = [  # (world, tp, sp, model, micro, n_micro, seq)
     (1, 1, False, _model(512, 4, 8, 4, 1408, 8192, "llama"), 4, 2, 256),
     (2, 1, False, _model(384, 6, 6, 2, 1024, 12288), 4, 1, 256),
-    (2, 2, False, _model(512, 8, 8, 4, 1408, 8192), 2, 2, 512),
+    (2, 2, False, _model(512, 8, 8, 4, 1408, 8192), 2, 2, 256),
 ]
 
 
