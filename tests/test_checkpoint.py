@@ -28,19 +28,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @contextlib.contextmanager
 def _writer_processes_allowed():
-    """Megatron's torch_dist writer forks writer processes and keeps a Manager process for their
-    results; the test pool's workers are daemons (which may not have children). Allow it, and
-    stop the Manager afterwards so no process outlives the pool."""
+    """Megatron's torch_dist writer keeps a Manager process for its writers' results: stop it
+    afterwards so no process outlives the test pool."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from tests.test_hf_parity import may_have_children
-    with may_have_children():
-        try:
-            yield
-        finally:
-            queue, filesystem_async._results_queue = filesystem_async._results_queue, None
-            if queue is not None:
-                queue._manager.shutdown()
+    try:
+        yield
+    finally:
+        queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+        if queue is not None:
+            queue._manager.shutdown()
 
 
 def _actor(hf=None, weight_salt=""):
@@ -335,7 +332,7 @@ def test_resolve_modes(tmp_path):
 def _optimizer_state_after_two_updates(dist_opt, tmp):
     """Save after two optimizer steps, load into a fresh worker: every Adam state (moments and
     the step count that drives bias correction) must come back exactly."""
-    from tests.test_ppo_update import _configs, _batch, B, R
+    from tests.test_ppo_update import _configs, _batch, R
     from tests.tiny_models import tiny_config
     from parallel.mesh import Layout, init_mesh
     from engine.workers.actor import ActorWorker

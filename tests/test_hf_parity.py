@@ -5,9 +5,7 @@ Megatron dist checkpoint read back at TP=PP=EP=1 and written as HF (mcore_to_hf)
 parallel model written directly (save_hf_weights with small shards), are bit-identical to
 the original files, and `from_pretrained` loads them.
 """
-import contextlib
 import json
-import multiprocessing
 import os
 
 import pytest
@@ -108,26 +106,7 @@ def megatron_logits(chunks, tokens):
     return torch.cat(pieces, dim=-1) if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
-@contextlib.contextmanager
-def may_have_children():
-    """Megatron's torch_dist writer forks writer processes; the test pool's workers are daemon
-    processes, which multiprocessing forbids to have children. The tool runs in ordinary
-    processes; only the test harness needs this."""
-    proc = multiprocessing.current_process()
-    daemon = proc._config.get("daemon")
-    proc._config["daemon"] = False
-    try:
-        yield
-    finally:
-        proc._config["daemon"] = daemon
-
-
 def _roundtrip(hf_dir, work, layout_kwargs, tokens):
-    with may_have_children():
-        return _roundtrip_impl(hf_dir, work, layout_kwargs, tokens)
-
-
-def _roundtrip_impl(hf_dir, work, layout_kwargs, tokens):
     import torch.distributed as dist
 
     from engine.models.hf_io import load_config, save_hf_weights

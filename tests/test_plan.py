@@ -11,7 +11,6 @@ case on the second step; an open question, reported.)
 """
 import multiprocessing as mp
 import os
-import resource
 import socket
 import threading
 import time

@@ -1,7 +1,5 @@
 """MoE routing replay (actor.router_replay): the training forward routes every token the rollout
 ran to the experts the rollout chose, even when the training router would pick others."""
-import dataclasses
-
 import torch
 
 from tests.multirank import run_on_ranks

@@ -2,7 +2,6 @@
 import types
 
 import pytest
-import torch
 
 from engine.trainer import KLGuard
 from tests.multirank import run_on_ranks

@@ -17,7 +17,6 @@ into a temporary sibling and renamed at the end).
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import sys

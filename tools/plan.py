@@ -47,7 +47,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -57,7 +57,7 @@ def sample_sequences(batch: Batch):
     return out
 
 
-def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape, packed):
+def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape):
     """The rollout's recorded experts laid out in Megatron's token order, one tensor per MoE
     layer ([tokens, topk]). The rollout never runs the last token of a response (it is sampled,
     not fed back) nor padding; those positions take expert ids 0..topk-1 — their outputs reach
@@ -82,14 +82,14 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
     if packed:
         p = pack([s for s, _, _ in seqs], pad_id=pad_id, multiple_of=multiple_of,
                  min_length=min_length)
-        tokens, params, starts, stride = p.tokens, p.params, p.offsets, 0
+        tokens, params, starts = p.tokens, p.params, p.offsets
     else:
         longest = max(max(s.numel() for s, _, _ in seqs), min_length)
         longest = -(-longest // multiple_of) * multiple_of
         tokens = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
         for r, (s, _, _) in enumerate(seqs):
             tokens[r, : s.numel()] = s
-        params, starts, stride = None, [r * longest for r in range(len(seqs))], longest
+        params, starts = None, [r * longest for r in range(len(seqs))]
     for start, (seq, plen, rlen) in zip(starts, seqs):
         # token t+1 is predicted at position t: the response starts at plen
         pos = torch.arange(start + plen - 1, start + plen - 1 + rlen)
@@ -98,7 +98,7 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
         last.append(start + plen + rlen - 1)
     routing = None
     if "routed_experts" in batch:
-        routing = replay_routing(batch, rows, starts, seqs, tuple(tokens.shape), packed)
+        routing = replay_routing(batch, rows, starts, seqs, tuple(tokens.shape))
     return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
                       positions=torch.cat(positions), labels=torch.cat(labels),
                       response_lengths=[r for _, _, r in seqs], response_width=width,
