@@ -39,7 +39,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["linear_logprob_entropy", "naive_logprob_entropy", "default_chunk_tokens",
+__all__ = ["linear_logprob_entropy", "linear_token_loss", "naive_logprob_entropy", "default_chunk_tokens",
            "resolve_backend", "optional_libraries", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -91,6 +91,47 @@ def linear_logprob_entropy(hidden, weight, labels, temperature=1.0, tp_group=Non
     BACKENDS. Returns fp32 (logprob, entropy) shaped like `labels`. See the module docstring
     for how gradients are reduced under TP.
     """
+    backend, vocab_local = _check_inputs(hidden, weight, labels, temperature, tp_group,
+                                         chunk_tokens, backend)
+    chunk = chunk_tokens or default_chunk_tokens(vocab_local, hidden.device)
+    logprob, entropy = _LinearLogprobEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), float(temperature),
+        tp_group, int(chunk), bool(compute_entropy), bool(entropy_grad), backend)
+    entropy = entropy.view(labels.shape) if compute_entropy else None
+    return logprob.view(labels.shape), entropy
+
+
+def linear_token_loss(hidden, weight, labels, token_loss, temperature=1.0, tp_group=None,
+                      chunk_tokens=None, backend="auto"):
+    """Single-pass fused loss for objectives that are sums of per-token terms.
+
+        loss = sum over chunks of token_loss(start, end, logprob[start:end], entropy[start:end])
+
+    `token_loss(start, end, logprob, entropy)` returns a 0-dim tensor: the summed loss of tokens
+    [start, end) of the flattened `labels`, differentiable in their fp32 log-probs and entropies
+    and depending on no other token's (PPO's clipped surrogate, the entropy bonus and the k1-k3
+    KL losses with token- or sequence-mean weights all qualify; GSPO's sequence ratio does not).
+
+    Because the loss gradient of a token is known as soon as its chunk's statistics are, each
+    chunk's logits are used once for the statistics and at once for the gradients: three GEMMs
+    per chunk, as many as the naive full-logits path, where `linear_logprob_entropy` needs four
+    (its backward must recompute the logits). The gradients wrt hidden and weight are made in
+    the forward and held (the size of the inputs) until backward scales them by the upstream
+    gradient. Returns (loss 0-dim fp32, logprob, entropy): logprob and entropy are detached fp32
+    shaped like `labels`. TP reduction as in `linear_logprob_entropy` (the statistics of each
+    chunk are all-reduced over `tp_group`, so every rank runs the same chunks).
+    """
+    backend, vocab_local = _check_inputs(hidden, weight, labels, temperature, tp_group,
+                                         chunk_tokens, backend)
+    chunk = chunk_tokens or default_chunk_tokens(vocab_local, hidden.device)
+    loss, logprob, entropy = _LinearTokenLoss.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), token_loss,
+        1.0 / float(temperature), tp_group, int(chunk), backend)
+    return loss, logprob.view(labels.shape), entropy.view(labels.shape)
+
+
+def _check_inputs(hidden, weight, labels, temperature, tp_group, chunk_tokens, backend):
+    """One clear error per bad argument; returns (resolved backend, local vocab size)."""
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
                          f"[..., H] and [V_local, H] with the same H")
@@ -111,12 +152,7 @@ def linear_logprob_entropy(hidden, weight, labels, temperature=1.0, tp_group=Non
         raise ValueError(f"labels must be global vocab ids in [0, {vocab}); got values in "
                          f"[{int(labels.min())}, {int(labels.max())}] (mask padding after the "
                          f"call instead of using ignore ids)")
-    chunk = chunk_tokens or default_chunk_tokens(vocab_local, hidden.device)
-    logprob, entropy = _LinearLogprobEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), float(temperature),
-        tp_group, int(chunk), bool(compute_entropy), bool(entropy_grad), backend)
-    entropy = entropy.view(labels.shape) if compute_entropy else None
-    return logprob.view(labels.shape), entropy
+    return backend, vocab_local
 
 
 def resolve_backend(backend, tensor):
@@ -205,6 +241,21 @@ def _torch_chunk_grad(z, inv_t, log_z, entropy, g_lp, g_ent, local_labels, buf):
     """
     logp = torch.add(log_z.neg().unsqueeze(1), z, alpha=inv_t, out=z)
     p = torch.exp(logp, out=buf)
+    return _torch_grad_from(logp, p, entropy, g_lp, g_ent, local_labels)
+
+
+def _torch_grad_from_stats(shifted, e, m, log_z, entropy, g_lp, g_ent, local_labels):
+    """Like `_torch_chunk_grad`, from what `_torch_chunk_stats` left in the buffers
+    (shifted = z / t - m, e = exp(shifted)): log p = shifted + (m - logZ), p = e exp(m - logZ),
+    so the single-pass loss needs no second exp over the chunk."""
+    c = (m - log_z).unsqueeze(1)
+    p = e.mul_(torch.exp(c))
+    logp = shifted.add_(c)
+    return _torch_grad_from(logp, p, entropy, g_lp, g_ent, local_labels)
+
+
+def _torch_grad_from(logp, p, entropy, g_lp, g_ent, local_labels):
+    """dz from a chunk's log p and p (both buffers are overwritten; dz lives in p's)."""
     if g_ent is None:
         dz = p.mul_(g_lp.neg().unsqueeze(1))
     else:  # -(g_lp + g_ent (log p + H)) as one pass over the chunk
@@ -336,3 +387,90 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             # every vocab shard contributes to every token's hidden gradient
             d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None, None, None
+
+
+def _token_loss_grads(token_loss, start, end, lp, ent, need_grad):
+    """(loss value, d loss / d logprob, d loss / d entropy) of one chunk; None for an unused input."""
+    with torch.enable_grad():
+        lp_leaf = lp.detach().requires_grad_(need_grad)
+        ent_leaf = ent.detach().requires_grad_(need_grad)
+        loss = token_loss(start, end, lp_leaf, ent_leaf)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise ValueError(f"token_loss must return a 0-dim tensor (the chunk's summed loss); "
+                             f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+        if not (need_grad and loss.requires_grad):
+            return loss.detach(), None, None
+        g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+    return loss.detach(), g_lp, g_ent
+
+
+def _single_pass(hidden, weight, local_labels, inv_t, chunk, tp_group, token_loss,
+                 need_hidden, need_weight, backend):
+    """(loss, logprob, entropy, d hidden fp32 partial over this shard, d weight), one pass."""
+    n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    logprob = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=device) if need_hidden else None
+    d_weight = torch.zeros_like(weight) if need_weight else None
+    if n_tokens == 0:
+        return total.float(), logprob, entropy, d_hidden, d_weight
+    need_grad = need_hidden or need_weight
+    bufs = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        h, labels = hidden[start:end], local_labels[start:end]
+        z = bufs.logits(h, weight)
+        if backend == "triton":
+            from kernels.triton.logprob import chunk_grad, chunk_stats
+            m, s, a, zlab = chunk_stats(z, inv_t, labels, True)
+        else:
+            e = bufs.aux[:end - start]
+            m, s, a, zlab = _torch_chunk_stats(z, inv_t, labels, True, e)
+        lp, ent, log_z = _combine_stats(m, s, a, zlab, tp_group)
+        logprob[start:end], entropy[start:end] = lp, ent
+        loss, g_lp, g_ent = _token_loss_grads(token_loss, start, end, lp, ent, need_grad)
+        total += loss.double()
+        if g_lp is None and g_ent is None:
+            continue
+        g_lp = (torch.zeros_like(lp) if g_lp is None else g_lp.float()) * inv_t
+        g_ent = g_ent.float() * inv_t if g_ent is not None else None
+        ent_arg = ent if g_ent is not None else None
+        if backend == "triton":
+            dz = chunk_grad(z, inv_t, log_z, ent_arg, g_lp, g_ent, labels)
+        else:
+            dz = _torch_grad_from_stats(z, e, m, log_z, ent_arg, g_lp, g_ent, labels)
+            if dz.dtype != weight.dtype:
+                dz = bufs.mm[:end - start].copy_(dz)
+        if need_hidden:
+            d_hidden[start:end] = torch.mm(dz, weight)
+        if need_weight:
+            d_weight.addmm_(dz.t(), h)
+    return total.float(), logprob, entropy, d_hidden, d_weight
+
+
+class _LinearTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_loss, inv_t, tp_group, chunk, backend):
+        vocab_local = weight.shape[0]
+        local_labels = _local_labels(labels, _vocab_offset(tp_group, vocab_local), vocab_local)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, logprob, entropy, d_hidden, d_weight = _single_pass(
+            hidden, weight, local_labels, inv_t, chunk, tp_group, token_loss, need_hidden,
+            need_weight, backend)
+        if d_hidden is not None:
+            # every vocab shard contributes to every token's hidden gradient
+            d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
+        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.mark_non_differentiable(logprob, entropy)
+        ctx.set_materialize_grads(False)
+        return loss, logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
+        d_hidden, d_weight = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 8
+        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        return scale(d_hidden), scale(d_weight), None, None, None, None, None, None

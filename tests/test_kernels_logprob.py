@@ -3,7 +3,7 @@ reference (values and gradients wrt hidden and weight), torch and Triton backend
 import pytest
 import torch
 
-from kernels.logprob import linear_logprob_entropy, naive_logprob_entropy
+from kernels.logprob import linear_logprob_entropy, linear_token_loss, naive_logprob_entropy
 from tests.multirank import run_on_ranks
 
 # Tolerances. fp32: both paths compute the same logits; they differ only in summation order
@@ -105,6 +105,104 @@ def test_bad_inputs():
         linear_logprob_entropy(h, w, labels, backend="cuda")
     with pytest.raises(ValueError, match="temperature"):
         linear_logprob_entropy(h, w, labels, temperature=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Single pass (linear_token_loss): a non-linear per-token loss, gradients made in the forward
+
+def _ppo_like(lp, ent, old, adv, w):
+    """A clipped-ratio surrogate with an entropy term and a k3 KL: non-linear in lp and ent."""
+    ratio = torch.exp(lp - old)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    kl = torch.exp(old - lp) - (old - lp) - 1
+    return (w * (pg - 0.01 * ent + 0.1 * kl + 0.5 * ent ** 2)).sum()
+
+
+def _loss_data(h, w, labels, temperature, seed=1):
+    """(old log-probs near the current ones, so ratios straddle the clip range; advantages;
+    per-token weights like a token-mean's)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = labels.numel()
+    lp = naive_logprob_entropy(h.float(), w.float(), labels, temperature)[0].reshape(-1)
+    return (lp + 0.3 * torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+            torch.rand(n, generator=gen) / n)
+
+
+def _single_pass(h, w, labels, data, **kw):
+    old, adv, wt = data
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss, lp, ent = linear_token_loss(
+        h, w, labels, lambda a, b, lp, ent: _ppo_like(lp, ent, old[a:b], adv[a:b], wt[a:b]), **kw)
+    (3.0 * loss).backward()  # the upstream gradient scales the held gradients
+    return loss.detach(), lp, ent, h.grad, w.grad
+
+
+def _single_pass_reference(h, w, labels, data, temperature):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    lp, ent = naive_logprob_entropy(h, w, labels, temperature)
+    loss = _ppo_like(lp.reshape(-1), ent.reshape(-1), *data)
+    (3.0 * loss).backward()
+    return loss.detach(), lp.detach(), ent.detach(), h.grad, w.grad
+
+
+def _assert_single_pass(got, ref, dtype):
+    torch.testing.assert_close(got[0], ref[0], **(FP32_TOL if dtype == torch.float32
+                                                  else BF16_VALUE_TOL))
+    _assert_match(got[1:], ref[1:], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_single_pass_loss_matches_naive(dtype, backend):
+    h, w, labels, _, _ = _inputs(30, 24, 97, dtype, lead=(5, 6), seed=4)
+    data = _loss_data(h, w, labels, 0.7)
+    got = _single_pass(h, w, labels, data, temperature=0.7, chunk_tokens=7, backend=backend)
+    ref = _single_pass_reference(h, w, labels, data, 0.7)
+    assert not got[1].requires_grad and got[1].shape == labels.shape
+    _assert_single_pass(got, ref, dtype)
+
+
+def test_single_pass_options():
+    h, w, labels, _, _ = _inputs(20, 16, 50, torch.float32, seed=5)
+    # a loss of the log-prob alone (no entropy gradient), under no_grad for weight
+    coef = torch.randn(20)
+    hh = h.clone().requires_grad_()
+    loss, lp, _ = linear_token_loss(hh, w, labels, lambda a, b, lp, ent: (coef[a:b] * lp).sum(),
+                                    chunk_tokens=6)
+    loss.backward()
+    ref = _run(naive_logprob_entropy, h, w, labels, coef, None)
+    torch.testing.assert_close(hh.grad, ref[2], **FP32_GRAD_TOL)
+    torch.testing.assert_close(loss, (coef * ref[0]).sum(), **FP32_TOL)
+    # nothing requires grad: values only
+    with torch.no_grad():
+        loss2, lp2, _ = linear_token_loss(h, w, labels, lambda a, b, lp, ent: lp.sum())
+    torch.testing.assert_close(lp2, ref[0], **FP32_TOL)
+    with pytest.raises(ValueError, match="0-dim"):
+        linear_token_loss(h, w, labels, lambda a, b, lp, ent: lp)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_token_loss(h, w, labels, lambda a, b, lp, ent: lp.sum(), temperature=-1)
+
+
+def _single_pass_tp_worker(dtype_name):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    h, w, labels, _, _ = _inputs(18, 16, 64, getattr(torch, dtype_name), seed=6)
+    shard = w.shape[0] // world
+    return _single_pass(h, w[rank * shard:(rank + 1) * shard], labels, _loss_data(h, w, labels, 0.8),
+                        temperature=0.8, tp_group=dist.group.WORLD, chunk_tokens=5,
+                        backend="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_pass_tensor_parallel(dtype):
+    results = run_on_ranks(_single_pass_tp_worker, 2, str(dtype).split(".")[1])
+    h, w, labels, _, _ = _inputs(18, 16, 64, dtype, seed=6)
+    ref = _single_pass_reference(h, w, labels, _loss_data(h, w, labels, 0.8), 0.8)
+    for r in results:
+        _assert_single_pass(r[:4] + (ref[4],), ref, dtype)
+    _assert_single_pass(ref[:4] + (torch.cat([r[4] for r in results]),), ref, dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from engine.algorithms.losses import (
     LOSS_AGG_MODES, LossNormaliser, agg_loss, entropy_bonus, policy_loss, policy_loss_gspo,
-    value_loss)
+    token_weights, value_loss)
 from tests.multirank import run_on_ranks
 
 B, T = 10, 7
@@ -65,6 +65,18 @@ def test_agg_loss_matches_written_formula(mode):
     assert float(got.detach()) == pytest.approx(agg_reference(as_lists(loss_mat), mask, mode))
     norm = agg_loss(loss_mat, mask, mode, max_response_len=32)
     assert float(norm) == pytest.approx(agg_reference(as_lists(loss_mat), mask, mode, 32))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_token_weights_turn_every_mode_into_a_weighted_token_sum(mode):
+    """What the actor's single-pass kernel relies on: agg = sum(loss * weight), local and
+    global counts alike."""
+    loss_mat, mask = rand(2, B, T), make_mask(2)
+    for counts in ({}, dict(global_token_count=123.0, global_seq_count=17.0, max_response_len=32)):
+        weights = token_weights(mask, mode, **counts)
+        got = float((loss_mat * weights).sum())
+        assert got == pytest.approx(float(agg_loss(loss_mat, mask, mode, **counts)))
+        assert float(weights[mask == 0].abs().sum()) == 0
 
 
 def test_agg_loss_ignores_non_finite_padding_and_empty_masks():

@@ -56,7 +56,8 @@ def _configs(**actor_kw):
     return actor, critic, ModelConfig()
 
 
-def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, overlap=False):
+def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, overlap=False,
+                actor_kw=None, fused=True):
     from megatron.core import parallel_state as ps
 
     from engine.workers.actor import ActorWorker
@@ -69,8 +70,9 @@ def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, ove
     hf = tiny_config("llama")
     actor_cfg, critic_cfg, model_cfg = _configs(use_dynamic_bsz=dynamic,
                                                 ppo_max_token_len_per_gpu=24,
-                                                ppo_micro_batch_size_per_gpu=micro)
-    model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed)
+                                                ppo_micro_batch_size_per_gpu=micro,
+                                                **(actor_kw or {}))
+    model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed, use_fused_kernels=fused)
     if overlap:  # Megatron's overlapped gradient reduce / parameter gather
         meg = dataclasses.replace(actor_cfg.megatron, overlap_grad_reduce=True,
                                   overlap_param_gather=True)
@@ -169,6 +171,34 @@ def test_update_is_layout_and_split_invariant(role, name, world, layout, micro, 
         torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=0, msg=n)
         moved += int(not torch.equal(weights[n], _weight_for(n, weights[n].shape)))
     assert moved > len(ref_weights) // 2, "the update should change most weights"
+
+
+@pytest.mark.parametrize("actor_kw", [
+    {},
+    dict(loss_agg_mode="seq-mean-token-mean", kl_loss_type="k2+", clip_ratio_high=0.28,
+         entropy_coeff=0.0),
+], ids=["token-mean-k3", "seq-mean-k2st-cliphigher"])
+def test_single_pass_loss_gives_the_same_update_as_autograd(actor_kw):
+    """The actor's single-pass fused loss (gradients made in the kernel's forward) against the
+    log-probs differentiated by autograd through the loss functions (use_fused_kernels=False:
+    one chunk, the plain path whose losses test_losses checks against the written formulas)."""
+    fused = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", actor_kw=actor_kw))
+    plain = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", actor_kw=actor_kw,
+                                  fused=False))
+    for k in plain[0]:
+        assert fused[0][k] == pytest.approx(plain[0][k], rel=1e-5, abs=1e-6), k
+    for n in plain[1]:
+        torch.testing.assert_close(fused[1][n], plain[1][n], atol=1e-5, rtol=0, msg=n)
+
+
+def test_gspo_takes_the_two_pass_kernel_and_matches_autograd():
+    kw = dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4,
+              clip_ratio_high=4e-4)
+    fused = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", actor_kw=kw))
+    plain = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", actor_kw=kw,
+                                  fused=False))
+    for n in plain[1]:
+        torch.testing.assert_close(fused[1][n], plain[1][n], atol=1e-5, rtol=0, msg=n)
 
 
 def _update_twice(offload):

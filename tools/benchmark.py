@@ -34,6 +34,12 @@ if ROOT not in sys.path:
 # minimum over --repeat runs after one warm-up. On a shared machine CPU time is the steadier
 # figure; the 1-minute load average is printed beside it.
 
+# naive: full logits + log_softmax; fused: linear_logprob_entropy (any loss: its backward
+# recomputes the logits, 4 GEMMs); single: linear_token_loss (per-token losses, what the actor's
+# PPO loss uses: gradients made in the forward, 3 GEMMs like naive)
+KERNEL_PATHS = ("naive", "fused", "single")
+
+
 def add_kernels_args(parser):
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -43,7 +49,7 @@ def add_kernels_args(parser):
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="fused path's tokens per chunk (default: by bytes, see kernels)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs after one warm-up")
-    parser.add_argument("--worker", choices=("naive", "fused"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=KERNEL_PATHS, help=argparse.SUPPRESS)
 
 
 def _rss_bytes():
@@ -61,7 +67,7 @@ def _cpu_seconds():
 def _kernels_worker(args):
     """One path, in this (fresh) process: peak RSS over baseline, times, and checksums."""
     import torch
-    from kernels.logprob import linear_logprob_entropy, naive_logprob_entropy
+    from kernels.logprob import linear_logprob_entropy, linear_token_loss, naive_logprob_entropy
 
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -71,20 +77,32 @@ def _kernels_worker(args):
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=gen)
     coef_lp = torch.randn(args.tokens, generator=gen)  # a loss that uses both outputs
     coef_ent = torch.randn(args.tokens, generator=gen)
+    def loss_of(logprob, entropy, start=0, end=None):
+        return (logprob * coef_lp[start:end]).sum() + (entropy * coef_ent[start:end]).sum()
+
     if args.worker == "naive":
         def step():
-            return naive_logprob_entropy(hidden, weight, labels, args.temperature)
+            logprob, entropy = naive_logprob_entropy(hidden, weight, labels, args.temperature)
+            return logprob, entropy, loss_of(logprob, entropy)
+    elif args.worker == "fused":
+        def step():
+            logprob, entropy = linear_logprob_entropy(hidden, weight, labels, args.temperature,
+                                                      chunk_tokens=args.chunk_tokens,
+                                                      backend="torch")
+            return logprob, entropy, loss_of(logprob, entropy)
     else:
         def step():
-            return linear_logprob_entropy(hidden, weight, labels, args.temperature,
-                                          chunk_tokens=args.chunk_tokens, backend="torch")
+            loss, logprob, entropy = linear_token_loss(
+                hidden, weight, labels, lambda a, b, lp, ent: loss_of(lp, ent, a, b),
+                args.temperature, chunk_tokens=args.chunk_tokens, backend="torch")
+            return logprob, entropy, loss
     baseline = _rss_bytes()
     times, cpu_times = [], []
     for _ in range(1 + args.repeat):
         hidden.grad = weight.grad = None
         start, cpu_start = time.perf_counter(), _cpu_seconds()
-        logprob, entropy = step()
-        ((logprob * coef_lp).sum() + (entropy * coef_ent).sum()).backward()
+        logprob, entropy, loss = step()
+        loss.backward()
         times.append(time.perf_counter() - start)
         cpu_times.append(_cpu_seconds() - cpu_start)
         sums = float(logprob.sum()), float(entropy.sum())
@@ -102,7 +120,7 @@ def run_kernels(args):
     if args.worker:
         return _kernels_worker(args)
     results = {}
-    for path in ("naive", "fused"):
+    for path in KERNEL_PATHS:
         cmd = [sys.executable, os.path.abspath(__file__), "kernels", "--worker", path,
                "--tokens", str(args.tokens), "--hidden", str(args.hidden),
                "--vocab", str(args.vocab), "--dtype", args.dtype,
@@ -114,31 +132,36 @@ def run_kernels(args):
             raise RuntimeError(f"{path} worker failed (rc={proc.returncode}; a kill -9 usually "
                                f"means out of memory):\n{proc.stderr[-4000:]}")
         results[path] = json.loads(proc.stdout.strip().splitlines()[-1])
-    naive, fused = results["naive"], results["fused"]
+    naive = results["naive"]
     from kernels.logprob import default_chunk_tokens
     report = {
         "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
                   "dtype": args.dtype, "temperature": args.temperature,
                   "chunk_tokens": args.chunk_tokens or default_chunk_tokens(args.vocab, "cpu")},
-        "naive": naive, "fused": fused,
-        "memory_ratio": fused["peak_bytes"] / naive["peak_bytes"],
-        "time_ratio": fused["time_s"] / naive["time_s"],
-        "cpu_time_ratio": fused["cpu_time_s"] / naive["cpu_time_s"],
-        "max_checksum_rel_diff": max(
-            abs(fused[k] - naive[k]) / max(abs(naive[k]), 1e-12)
-            for k in ("logprob_sum", "entropy_sum", "grad_hidden_norm", "grad_weight_norm")),
+        **results,
     }
+    for path in KERNEL_PATHS[1:]:
+        r = results[path]
+        report[path + "_ratios"] = {
+            "memory": r["peak_bytes"] / naive["peak_bytes"],
+            "time": r["time_s"] / naive["time_s"],
+            "cpu_time": r["cpu_time_s"] / naive["cpu_time_s"],
+            "max_checksum_rel_diff": max(
+                abs(r[k] - naive[k]) / max(abs(naive[k]), 1e-12)
+                for k in ("logprob_sum", "entropy_sum", "grad_hidden_norm", "grad_weight_norm"))}
     gib = 1 << 30
     print(f"kernels: tokens={args.tokens} hidden={args.hidden} vocab={args.vocab} "
           f"{args.dtype} chunk_tokens={report['shape']['chunk_tokens']} (forward+backward, CPU)")
-    print(f"  {'path':<7}{'peak mem (GiB)':>16}{'wall (s)':>10}{'cpu (s)':>10}{'load':>7}")
-    for path in ("naive", "fused"):
-        r = results[path]
-        print(f"  {path:<7}{r['peak_bytes'] / gib:>16.3f}{r['time_s']:>10.2f}"
-              f"{r['cpu_time_s']:>10.2f}{r['load_avg_1min']:>7.1f}")
-    print(f"  {'ratio':<7}{report['memory_ratio']:>16.3f}{report['time_ratio']:>10.3f}"
-          f"{report['cpu_time_ratio']:>10.3f}   (targets: memory <= 0.1, time <= 1.0)")
-    print(f"  checksums agree to {report['max_checksum_rel_diff']:.1e} (relative)")
+    print(f"  {'path':<8}{'peak mem (GiB)':>16}{'wall (s)':>10}{'cpu (s)':>10}{'load':>7}"
+          f"{'mem ratio':>11}{'wall ratio':>12}{'cpu ratio':>11}{'checksums':>11}")
+    for path in KERNEL_PATHS:
+        r, q = results[path], report.get(path + "_ratios")
+        ratios = (f"{q['memory']:>11.3f}{q['time']:>12.3f}{q['cpu_time']:>11.3f}"
+                  f"{q['max_checksum_rel_diff']:>11.1e}" if q else "")
+        print(f"  {path:<8}{r['peak_bytes'] / gib:>16.3f}{r['time_s']:>10.2f}"
+              f"{r['cpu_time_s']:>10.2f}{r['load_avg_1min']:>7.1f}{ratios}")
+    print("  targets: memory <= 0.1, time <= 1.0 x naive. fused = linear_logprob_entropy (any "
+          "loss); single = linear_token_loss (per-token losses: the actor's PPO path)")
     return report
 
 

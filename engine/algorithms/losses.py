@@ -26,7 +26,8 @@ import torch
 
 __all__ = [
     "LOSS_AGG_MODES", "LossNormaliser", "agg_loss", "policy_loss", "policy_loss_gspo",
-    "value_loss", "entropy_bonus", "kl_loss", "apply_kl_penalty",
+    "value_loss", "entropy_bonus", "kl_loss", "apply_kl_penalty", "policy_token_losses",
+    "token_weights",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -127,21 +128,11 @@ def _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high):
     return low, high
 
 
-def policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_ratio=0.2,
-                clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
-                loss_agg_mode="token-mean", normaliser=None):
-    """PPO clipped surrogate with clip-higher and dual-clip.
-
-        r_t   = exp(clamp(logp_t - old_logp_t, -20, 20))
-        l_t   = max(-A_t r_t, -A_t clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high))
-        l_t   = min(l_t, -A_t clip_ratio_c)   where A_t < 0   (dual-clip, Ye et al. 2020)
-
-    clip_ratio_low / clip_ratio_high default to clip_ratio (clip-higher, DAPO, sets high > low).
-    clip_ratio_c=None turns dual-clip off; otherwise it must be > 1.
-    Returns (pg_loss, metrics) with metrics `actor/pg_clipfrac` (the clip bound was active),
-    `actor/pg_clipfrac_lower` (the dual-clip bound was active), `actor/ppo_kl`
-    (mean of old_logp - logp).
-    """
+def policy_token_losses(log_prob, old_log_prob, advantages, clip_ratio=0.2, clip_ratio_low=None,
+                        clip_ratio_high=None, clip_ratio_c=3.0):
+    """The per-token terms of `policy_loss` (any shape): (losses, clip_active, lower_active,
+    log_ratio). Each token's loss depends on its own log-prob only, which is what lets the
+    actor fuse it into the log-prob kernel (kernels.logprob.linear_token_loss)."""
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1.0 for dual-clip "
                          f"(actor_rollout_ref.actor.clip_ratio_c), or None to disable it")
@@ -160,6 +151,49 @@ def policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_ratio=0.
         lower_active = negative & (losses > dual_bound)
         losses = torch.where(negative, torch.minimum(losses, dual_bound), losses)
 
+    return losses, clip_active, lower_active, log_ratio
+
+
+def token_weights(response_mask, loss_agg_mode, global_token_count=None, global_seq_count=None,
+                  max_response_len=None):
+    """Per-token weights w with agg_loss(l, mask, mode, ...) == sum(where(mask, l, 0) * w):
+    every aggregation mode is a weighted token sum once the counts are fixed (0 off the mask)."""
+    mask = response_mask.bool()
+    ones = mask.to(torch.float32)
+    if loss_agg_mode == "token-mean":
+        count = mask.sum() if global_token_count is None else global_token_count
+        return ones / _at_least_one(count)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {LOSS_AGG_MODES}")
+    token_counts = ones.sum(dim=-1, keepdim=True)
+    if loss_agg_mode == "seq-mean-token-sum":
+        per_seq = ones
+    elif loss_agg_mode == "seq-mean-token-mean":
+        per_seq = ones / token_counts.clamp_min(1)
+    else:
+        per_seq = ones / (ones.shape[-1] if max_response_len is None else max_response_len)
+    count = (token_counts > 0).sum() if global_seq_count is None else global_seq_count
+    return per_seq / _at_least_one(count)
+
+
+def policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_ratio=0.2,
+                clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                loss_agg_mode="token-mean", normaliser=None):
+    """PPO clipped surrogate with clip-higher and dual-clip.
+
+        r_t   = exp(clamp(logp_t - old_logp_t, -20, 20))
+        l_t   = max(-A_t r_t, -A_t clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        l_t   = min(l_t, -A_t clip_ratio_c)   where A_t < 0   (dual-clip, Ye et al. 2020)
+
+    clip_ratio_low / clip_ratio_high default to clip_ratio (clip-higher, DAPO, sets high > low).
+    clip_ratio_c=None turns dual-clip off; otherwise it must be > 1.
+    Returns (pg_loss, metrics) with metrics `actor/pg_clipfrac` (the clip bound was active),
+    `actor/pg_clipfrac_lower` (the dual-clip bound was active), `actor/ppo_kl`
+    (mean of old_logp - logp).
+    """
+    losses, clip_active, lower_active, log_ratio = policy_token_losses(
+        log_prob, old_log_prob, advantages, clip_ratio, clip_ratio_low, clip_ratio_high,
+        clip_ratio_c)
     pg_loss = agg_loss(losses, response_mask, loss_agg_mode, **_normaliser_kwargs(normaliser))
     metrics = {
         "actor/pg_clipfrac": _token_mean_metric(clip_active, response_mask, normaliser),

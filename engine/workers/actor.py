@@ -10,11 +10,12 @@ from collections import defaultdict
 import torch
 from megatron.core import parallel_state as ps
 
+from engine.algorithms.kl import kl_penalty
 from engine.algorithms.losses import (LossNormaliser, entropy_bonus, kl_loss, policy_loss,
-                                      policy_loss_gspo)
+                                      policy_loss_gspo, policy_token_losses, token_weights)
 from engine.batch import Batch
 from engine.workers.base import MegatronWorker, global_counts
-from kernels.logprob import linear_logprob_entropy
+from kernels.logprob import linear_logprob_entropy, linear_token_loss
 
 
 class LogProbModel(MegatronWorker):
@@ -113,13 +114,30 @@ class ActorWorker(LogProbModel):
         return {k: sum(v) / len(v) for k, v in history.items()}
 
     def _policy_loss(self, hidden, mb, mini, norm, temperature):
+        """The micro-batch's loss and metrics. Per-token objectives (every policy loss but
+        GSPO's sequence ratio) take the single-pass kernel, which makes the gradients while the
+        logits of a chunk are at hand; GSPO and `use_fused_kernels=False` differentiate the
+        log-probs the usual way."""
         cfg = self.cfg
-        need_entropy = True  # reported as actor/entropy even when the bonus is off
-        lp, ent = self._logprob_entropy(hidden, mb, temperature, need_entropy)
-        log_prob = mb.to_padded(lp.float())
         mask = mini["response_mask"][mb.rows].float()
         old = mini["old_log_probs"][mb.rows]
         adv = mini["advantages"][mb.rows]
+        ref = mini["ref_log_prob"][mb.rows] if cfg.use_kl_loss else None
+        if cfg.policy_loss != "gspo" and self.model_cfg.use_fused_kernels:
+            loss, lp, ent = self._single_pass_loss(hidden, mb, mask, old, adv, ref, norm,
+                                                   temperature)
+            with torch.no_grad():
+                _, metrics = self._loss_terms(mb.to_padded(lp), mb.to_padded(ent), mask, old, adv,
+                                              ref, norm)
+            return loss, metrics
+        need_entropy = True  # reported as actor/entropy even when the bonus is off
+        lp, ent = self._logprob_entropy(hidden, mb, temperature, need_entropy)
+        return self._loss_terms(mb.to_padded(lp.float()), mb.to_padded(ent.float()), mask, old,
+                                adv, ref, norm)
+
+    def _loss_terms(self, log_prob, entropy_tokens, mask, old, adv, ref, norm):
+        """(loss, metrics) from padded [rows, R] log-probs and entropies."""
+        cfg = self.cfg
         if cfg.policy_loss == "gspo":
             pg, metrics = policy_loss_gspo(log_prob, old, adv, mask,
                                            clip_ratio_low=cfg.clip_ratio_low,
@@ -131,17 +149,42 @@ class ActorWorker(LogProbModel):
                                       clip_ratio_high=cfg.clip_ratio_high,
                                       clip_ratio_c=cfg.clip_ratio_c,
                                       loss_agg_mode=cfg.loss_agg_mode, normaliser=norm)
-        entropy = entropy_bonus(mb.to_padded(ent.float()), mask, cfg.loss_agg_mode, norm)
+        entropy = entropy_bonus(entropy_tokens, mask, cfg.loss_agg_mode, norm)
         loss = pg - cfg.entropy_coeff * entropy
         metrics = {k: v.detach() for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg.detach()
         metrics["actor/entropy"] = entropy.detach()
         if cfg.use_kl_loss:
-            kl = kl_loss(log_prob, mini["ref_log_prob"][mb.rows], mask, cfg.kl_loss_type,
-                         cfg.loss_agg_mode, norm)
+            kl = kl_loss(log_prob, ref, mask, cfg.kl_loss_type, cfg.loss_agg_mode, norm)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
+
+    def _single_pass_loss(self, hidden, mb, mask, old, adv, ref, norm, temperature):
+        """The same loss as `_loss_terms`, as a weighted sum of per-token terms fed to
+        kernels.logprob.linear_token_loss. Returns (loss, flat log-probs, flat entropies)."""
+        cfg = self.cfg
+        weight = mb.to_flat(token_weights(mask, cfg.loss_agg_mode, **norm.as_kwargs()))
+        old, adv = mb.to_flat(old), mb.to_flat(adv)
+        ref = mb.to_flat(ref) if ref is not None else None
+
+        def token_loss(start, end, lp, ent):
+            terms = policy_token_losses(lp, old[start:end], adv[start:end], cfg.clip_ratio,
+                                        cfg.clip_ratio_low, cfg.clip_ratio_high,
+                                        cfg.clip_ratio_c)[0]
+            if cfg.entropy_coeff:
+                terms = terms - cfg.entropy_coeff * ent
+            if ref is not None:
+                terms = terms + cfg.kl_loss_coef * kl_penalty(lp, ref[start:end], cfg.kl_loss_type)
+            w = weight[start:end]
+            # where, not multiply: a masked token's term may be inf and inf * 0 is NaN
+            return torch.where(w != 0, terms, torch.zeros_like(terms)).mul(w).sum()
+
+        model = self.models[-1]
+        h = hidden.reshape(-1, hidden.shape[-1])[mb.positions]
+        return linear_token_loss(h, model.output_weight(), mb.labels, token_loss,
+                                 temperature=temperature,
+                                 tp_group=ps.get_tensor_model_parallel_group())
 
     def metric_names(self):
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",

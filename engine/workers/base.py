@@ -36,11 +36,16 @@ class MicroBatch:
     last_tokens: torch.Tensor     # flat index of each row's last valid token
     routing: Optional[list] = None  # per MoE layer [tokens, topk] experts to replay (router_replay)
 
+    def _valid(self):
+        return torch.arange(self.response_width)[None, :] < torch.tensor(self.response_lengths)[:, None]
+
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-prediction values [n] -> [rows, R] right-padded with zeros (differentiable)."""
-        out = flat.new_zeros(len(self.rows), self.response_width)
-        mask = torch.arange(self.response_width)[None, :] < torch.tensor(self.response_lengths)[:, None]
-        return out.masked_scatter(mask, flat)
+        return flat.new_zeros(len(self.rows), self.response_width).masked_scatter(self._valid(), flat)
+
+    def to_flat(self, padded: torch.Tensor) -> torch.Tensor:
+        """[rows, R] -> per-prediction values [n], the inverse of `to_padded`."""
+        return padded[self._valid()]
 
 
 def sample_sequences(batch: Batch):
