@@ -462,15 +462,22 @@ class _LinearTokenLoss(torch.autograd.Function):
         if d_hidden is not None:
             # every vocab shard contributes to every token's hidden gradient
             d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
-        ctx.save_for_backward(d_hidden, d_weight)
+        # kept as attributes, not saved tensors: backward scales them in place and hands them
+        # over, so no second weight-sized gradient is ever allocated
+        ctx.grads = [d_hidden, d_weight]
         ctx.mark_non_differentiable(logprob, entropy)
         ctx.set_materialize_grads(False)
         return loss, logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logprob, _grad_entropy):
-        d_hidden, d_weight = ctx.saved_tensors
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("linear_token_loss: backward ran twice; its gradients were made "
+                               "once, in the forward (call the kernel again instead of "
+                               "retain_graph=True)")
         if grad_loss is None:
             return (None,) * 8
-        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
-        return scale(d_hidden), scale(d_weight), None, None, None, None, None, None
+        if not bool(grad_loss == 1):
+            grads = [g.mul_(grad_loss.to(g.dtype)) if g is not None else None for g in grads]
+        return grads[0], grads[1], None, None, None, None, None, None
