@@ -261,3 +261,15 @@ def test_cuda_matches_naive(dtype, backend):
                chunk_tokens=300, backend=backend)
     ref = _run(naive_logprob_entropy, h, w, labels, c_lp, c_ent, temperature=0.7)
     _assert_match(got, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_single_pass_matches_naive(dtype, backend):
+    h, w, labels, _, _ = _inputs(1000, 256, 5000, dtype, seed=8)
+    h, w, labels = h.cuda(), w.cuda(), labels.cuda()
+    data = tuple(t.cuda() for t in _loss_data(h, w, labels, 0.7))
+    got = _single_pass(h, w, labels, data, temperature=0.7, chunk_tokens=300, backend=backend)
+    ref = _single_pass_reference(h, w, labels, data, 0.7)
+    _assert_single_pass(got, ref, dtype)
