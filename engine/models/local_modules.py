@@ -69,37 +69,39 @@ class CoreAttention(torch.nn.Module):
             return self._packed(query, key, value, packed_seq_params)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
         mask = None if attention_mask is None else ~attention_mask
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0)
+        out = self._sdpa(q, k, v, mask)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+    def _sdpa(self, q, k, v, mask=None):
+        """[b, heads, s, d] attention; grouped-query heads are shared, not copied."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
 
     def _packed(self, query, key, value, params):
         """THD: [t, heads, dim] with sequences back to back; causal within each sequence.
 
-        One attention call per sequence: the work is the sum of squared lengths, not the
-        square of the packed row's length (RL batches pack many short sequences)."""
+        The work is the sum of squared lengths, not the square of the packed row's length (RL
+        batches pack many short sequences): sequences of equal length are gathered into one
+        batched attention call (GRPO's samples of one prompt often share a length), one call
+        per distinct length."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
             else params.cu_seqlens_q
-        bounds = cu.tolist()
-        rep = query.shape[1] // key.shape[1]
+        cu = cu.to(torch.long).cpu()
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end <= start:
+        for length in lengths.unique().tolist():
+            if length <= 0:
                 continue
-            q, k, v = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0)
-            out[start:end] = o.squeeze(0).permute(1, 0, 2)
+            first = starts[lengths == length]
+            index = (first[:, None] + torch.arange(length)).reshape(-1).to(query.device)
+            # [n * L, heads, d] -> [n, heads, L, d]
+            q, k, v = (x.index_select(0, index).view(len(first), length, x.shape[1], x.shape[2])
+                       .transpose(1, 2) for x in (query, key, value))
+            o = self._sdpa(q, k, v)
+            out.index_copy_(0, index, o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
         return out.reshape(out.shape[0], -1)
 
 
