@@ -43,7 +43,10 @@ def _shape(prompts, n, response, mini, micro):
 WORKLOADS = {
     "tiny": (DEMO, []),
     "3m": (DEMO, _model(256, 4, 4, 2, 688) + _shape(16, 4, 32, 16, 16)),
-    "75m": (DEMO, _model(768, 12, 12, 4, 2048) + _shape(8, 4, 64, 8, 8)),
+    # 128 sequences per step (64 per rank): decoding reads every weight once per token for the
+    # whole batch, so a GRPO-sized batch (not a handful of rows) is what keeps generation
+    # compute-bound; 16 rows per rank ran generation at about half the matmul rate.
+    "75m": (DEMO, _model(768, 12, 12, 4, 2048) + _shape(32, 4, 64, 32, 16)),
 }
 
 
