@@ -184,6 +184,10 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: KlEstimator = "low_var_kl"
     router_replay: bool = False  # MoE: replay the rollout's expert routing in training
+    # On-policy steps (ppo_epochs 1, one mini-batch per step, no KL in the reward) take the old
+    # log-probs from the update's own forward, detached, instead of a separate forward pass:
+    # same weights, so the same values (ratio exactly 1), one forward fewer per step.
+    on_policy_old_log_prob: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -41,14 +41,16 @@ def peak_flops_per_rank(device, dtype=torch.float32):
     return measure_matmul_flops(dtype=dtype, seconds=0.5)
 
 
-def step_flops(n_params, tokens, *, ppo_epochs=1, critic_epochs=1, critic=False, ref=False):
+def step_flops(n_params, tokens, *, ppo_epochs=1, critic_epochs=1, critic=False, ref=False,
+               old_log_prob=True):
     """Model FLOPs of one PPO step: 2 x params per token per forward pass.
 
-    generation (1 forward) + old log-prob (1) + ref (1) + values (1, with a critic) + actor update
-    (forward + backward = 3 per epoch) + critic update (3 per epoch). Attention's s^2 term is
+    generation (1 forward) + old log-prob (1; none when an on-policy step reuses the update's
+    forward) + ref (1) + values (1, with a critic) + actor update (forward + backward = 3 per
+    epoch) + critic update (3 per epoch). Attention's s^2 term is
     left out: at RL response lengths of a few thousand tokens it is a few percent for 7B+.
     """
-    passes = 1 + 1 + (1 if ref else 0) + 3 * ppo_epochs
+    passes = 1 + (1 if old_log_prob else 0) + (1 if ref else 0) + 3 * ppo_epochs
     if critic:
         passes += 1 + 3 * critic_epochs
     return 2.0 * n_params * tokens * passes

@@ -77,6 +77,11 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
+        plan = derived.actor
+        # decided from the config, the same on every rank (the skipped forward has collectives)
+        self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
+                                   and plan.mini_batches_per_epoch == 1
+                                   and not alg.use_kl_in_reward)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
 
@@ -129,10 +134,11 @@ class Trainer:
             self._offload_training(False)
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
-            with self._phase("old_log_prob", timings):
-                batch["old_log_probs"] = self.actor.compute_log_prob(
-                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                    **self._log_prob_split("rollout"))
+            if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
+                with self._phase("old_log_prob", timings):
+                    batch["old_log_probs"] = self.actor.compute_log_prob(
+                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                        **self._log_prob_split("rollout"))
             if self.ref is not None:
                 with self._phase("ref", timings):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(
@@ -321,7 +327,8 @@ class Trainer:
         actor = self.cfg.actor_rollout_ref.actor
         flops = step_flops(self.actor_params, total, ppo_epochs=actor.ppo_epochs,
                            critic_epochs=self.cfg.critic.ppo_epochs or actor.ppo_epochs,
-                           critic=self.critic is not None, ref=self.ref is not None)
+                           critic=self.critic is not None, ref=self.ref is not None,
+                           old_log_prob=not self.reuse_old_log_prob)
         out = compute_throughput_metrics(total, step_time, self.world, flops=flops,
                                          peak_flops_per_rank=self.peak_flops)
         out["perf/peak_flops_per_rank"] = self.peak_flops or 0.0

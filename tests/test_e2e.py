@@ -46,7 +46,7 @@ def _records(tmp_path, name):
 
 @pytest.mark.parametrize("estimator,extra", [
     ("grpo", []),
-    ("rloo", []),
+    ("rloo", ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]),  # on-policy: no old-log-prob pass
     ("gae", ["critic.ppo_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=true",
              "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=false"]),
 ])
@@ -65,6 +65,8 @@ def test_each_estimator_trains(tmp_path, estimator, extra):
                     "actor/reward_kl_penalty"):
             assert key in last, key
     assert all(r["actor/grad_norm"] > 0 for r in records)
+    # one mini-batch per step without KL in the reward: the update's forward gives old log-probs
+    assert ("timing_s/old_log_prob" in last) == (estimator != "rloo")
     assert "step 3/3" in out  # the console progress line
     tb = list((tmp_path / "logs" / estimator).glob("events.out.tfevents.*"))
     assert tb, "TensorBoard event file missing"

@@ -57,7 +57,7 @@ def _configs(**actor_kw):
 
 
 def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, overlap=False,
-                actor_kw=None, fused=True):
+                actor_kw=None, fused=True, old_noise=1.0):
     from megatron.core import parallel_state as ps
 
     from engine.workers.actor import ActorWorker
@@ -97,7 +97,8 @@ def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, ove
     worker.mini_batch_size_per_rank = len(mine) // mini_batches
     if role == "actor":
         old = worker.compute_log_prob(mine, micro_batch_size=3)
-        mine["old_log_probs"] = old + mine["noise"] * mine["response_mask"]
+        if old_noise is not None:  # None: on-policy, update_policy takes its own (detached)
+            mine["old_log_probs"] = old + old_noise * mine["noise"] * mine["response_mask"]
         mine["ref_log_prob"] = old - 0.5 * mine["noise"] * mine["response_mask"]
         metrics = worker.update_policy(mine)
         out = dict(old_log_probs=(rank, old))
@@ -189,6 +190,42 @@ def test_single_pass_loss_gives_the_same_update_as_autograd(actor_kw):
         assert fused[0][k] == pytest.approx(plain[0][k], rel=1e-5, abs=1e-6), k
     for n in plain[1]:
         torch.testing.assert_close(fused[1][n], plain[1][n], atol=1e-5, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["single-pass", "autograd"])
+def test_on_policy_update_without_old_log_probs_equals_one_with_them(fused):
+    """One epoch of one mini-batch: the update's own log-probs, detached, are the old ones (the
+    trainer then skips the separate forward): same weights, grad-norm and metrics as feeding
+    compute_log_prob's values in."""
+    kw = dict(actor_kw=dict(clip_ratio_high=0.28), fused=fused)
+    given = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", old_noise=0.0, **kw))
+    reused = _collect(run_on_ranks(_run_update, 1, {}, 2, False, True, "actor", old_noise=None,
+                                   **kw))
+    for k in given[0]:
+        assert reused[0][k] == pytest.approx(given[0][k], rel=1e-5, abs=1e-6), k
+    assert reused[0]["actor/ppo_kl"] == 0 and reused[0]["actor/pg_clipfrac"] == 0
+    for n in given[1]:
+        torch.testing.assert_close(reused[1][n], given[1][n], atol=1e-5, rtol=0, msg=n)
+
+
+def _update_without_old_log_probs_over_two_mini_batches():
+    from parallel.mesh import Layout, init_mesh
+    from engine.workers.actor import ActorWorker
+
+    init_mesh(Layout(), seed=1)
+    hf = tiny_config("llama")
+    actor_cfg, _, model_cfg = _configs()
+    worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
+    worker.mini_batch_size_per_rank = B // 2
+    batch = _batch(hf.vocab_size)
+    batch["ref_log_prob"] = torch.zeros(B, R)
+    with pytest.raises(ValueError, match="old_log_probs are needed"):
+        worker.update_policy(batch)
+    return True
+
+
+def test_off_policy_update_requires_old_log_probs():
+    assert run_on_ranks(_update_without_old_log_probs_over_two_mini_batches, 1) == [True]
 
 
 def test_gspo_takes_the_two_pass_kernel_and_matches_autograd():

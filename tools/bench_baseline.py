@@ -2,7 +2,9 @@
 
 Per step and per rank (its share of the prompts, 1 thread, no gradient sync — which favours
 the baseline): `model.generate` with a KV cache, the old log-probs and the reference log-probs
-(full-logits forwards), then forward + backward + Adam over the same mini/micro-batches.
+(full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
+Trident's step is on-policy and takes the old log-probs from the update's forward
+(`actor.on_policy_old_log_prob`), the baseline does the same, so both do the same work.
 """
 import os
 import sys
@@ -36,6 +38,8 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     n, width = arr.rollout.n, arr.rollout.response_length
     mini = d.actor.mini_batch_size_per_rank
     micro = arr.actor.ppo_micro_batch_size_per_gpu
+    on_policy = (arr.actor.on_policy_old_log_prob and d.actor.ppo_epochs == 1
+                 and d.actor.mini_batches_per_epoch == 1 and not cfg.algorithm.use_kl_in_reward)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -59,8 +63,9 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             return torch.log_softmax(logits, -1).gather(-1, s[:, longest:, None]).squeeze(-1)
 
         with torch.no_grad():
-            old = torch.cat([logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
-                             for i in range(0, len(seqs), micro)])
+            old = None if on_policy else torch.cat(
+                [logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
+                 for i in range(0, len(seqs), micro)])
             refl = torch.cat([logp(ref, seqs[i:i + micro], full_mask[i:i + micro])
                               for i in range(0, len(seqs), micro)])
         adv = torch.randn(len(seqs), 1)
@@ -68,7 +73,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             opt.zero_grad()
             for i in range(start, min(start + mini, len(seqs)), micro):
                 lp = logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
-                ratio = torch.exp(lp - old[i:i + micro])
+                ratio = torch.exp(lp - (lp.detach() if old is None else old[i:i + micro]))
                 loss = -(torch.minimum(ratio * adv[i:i + micro],
                                        ratio.clamp(0.8, 1.2) * adv[i:i + micro])).mean()
                 loss = loss + 0.001 * (lp - refl[i:i + micro]).pow(2).mean()

@@ -87,8 +87,14 @@ class ActorWorker(LogProbModel):
 
         batch: input_ids, attention_mask, responses, response_mask, old_log_probs, advantages,
         and ref_log_prob when `use_kl_loss`. Returns metrics averaged over optimizer steps.
+        Without old_log_probs the update is on-policy by construction (one epoch, one mini-batch:
+        the caller checks) and each token's old log-prob is its current one, detached.
         """
         cfg = self.cfg
+        if "old_log_probs" not in batch and (cfg.ppo_epochs != 1 or len(self._mini_batches(batch, 0)) != 1):
+            raise ValueError("update_policy: old_log_probs are needed unless the update is one "
+                             "epoch of one mini-batch (on-policy); compute them with "
+                             "compute_log_prob first")
         micro_batch_size, max_tokens = self.start_update(micro_batch_size, max_tokens)
         history = defaultdict(list)
         dp_group = ps.get_data_parallel_group()
@@ -120,20 +126,22 @@ class ActorWorker(LogProbModel):
         log-probs the usual way."""
         cfg = self.cfg
         mask = mini["response_mask"][mb.rows].float()
-        old = mini["old_log_probs"][mb.rows]
+        old = mini["old_log_probs"][mb.rows] if "old_log_probs" in mini else None  # None: on-policy
         adv = mini["advantages"][mb.rows]
         ref = mini["ref_log_prob"][mb.rows] if cfg.use_kl_loss else None
         if cfg.policy_loss != "gspo" and self.model_cfg.use_fused_kernels:
             loss, lp, ent = self._single_pass_loss(hidden, mb, mask, old, adv, ref, norm,
                                                    temperature)
             with torch.no_grad():
-                _, metrics = self._loss_terms(mb.to_padded(lp), mb.to_padded(ent), mask, old, adv,
-                                              ref, norm)
+                log_prob = mb.to_padded(lp)
+                _, metrics = self._loss_terms(log_prob, mb.to_padded(ent), mask,
+                                              log_prob if old is None else old, adv, ref, norm)
             return loss, metrics
         need_entropy = True  # reported as actor/entropy even when the bonus is off
         lp, ent = self._logprob_entropy(hidden, mb, temperature, need_entropy)
-        return self._loss_terms(mb.to_padded(lp.float()), mb.to_padded(ent.float()), mask, old,
-                                adv, ref, norm)
+        log_prob = mb.to_padded(lp.float())
+        return self._loss_terms(log_prob, mb.to_padded(ent.float()), mask,
+                                log_prob.detach() if old is None else old, adv, ref, norm)
 
     def _loss_terms(self, log_prob, entropy_tokens, mask, old, adv, ref, norm):
         """(loss, metrics) from padded [rows, R] log-probs and entropies."""
@@ -165,11 +173,13 @@ class ActorWorker(LogProbModel):
         kernels.logprob.linear_token_loss. Returns (loss, flat log-probs, flat entropies)."""
         cfg = self.cfg
         weight = mb.to_flat(token_weights(mask, cfg.loss_agg_mode, **norm.as_kwargs()))
-        old, adv = mb.to_flat(old), mb.to_flat(adv)
+        old = mb.to_flat(old) if old is not None else None
+        adv = mb.to_flat(adv)
         ref = mb.to_flat(ref) if ref is not None else None
 
         def token_loss(start, end, lp, ent):
-            terms = policy_token_losses(lp, old[start:end], adv[start:end], cfg.clip_ratio,
+            old_lp = lp.detach() if old is None else old[start:end]
+            terms = policy_token_losses(lp, old_lp, adv[start:end], cfg.clip_ratio,
                                         cfg.clip_ratio_low, cfg.clip_ratio_high,
                                         cfg.clip_ratio_c)[0]
             if cfg.entropy_coeff:
