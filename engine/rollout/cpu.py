@@ -305,9 +305,12 @@ class CPURollout(RolloutEngine):
                     probs = self._filtered(scaled, sampling).softmax(-1)
                     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
                 token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-                for r in (~finished).nonzero().flatten().tolist():
-                    responses[r].append(int(tokens[r]))
-                    log_probs[r].append(float(token_logp[r]))
+                # one conversion per step, not one per row and value
+                for r, alive, t, lp in zip(range(rows), (~finished).tolist(), tokens.tolist(),
+                                           token_logp.tolist()):
+                    if alive:
+                        responses[r].append(t)
+                        log_probs[r].append(lp)
                 finished |= torch.isin(tokens, stop_ids)
                 if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                     break
