@@ -340,13 +340,19 @@ def _backward(hidden, weight, local_labels, inv_t, chunk, log_z, entropy, g_lp, 
             dz = chunk_grad(z, *args)  # written over z, in the matmul dtype
         else:
             dz = _torch_chunk_grad(z, *args, bufs.aux[:end - start])
-            if dz.dtype != weight.dtype:
-                dz = bufs.mm[:end - start].copy_(dz)
-        if need_hidden:
-            d_hidden[start:end] = torch.mm(dz, weight)
-        if need_weight:
-            d_weight.addmm_(dz.t(), h)
+        _chunk_input_grads(dz, h, weight, bufs, d_hidden, d_weight, start, end)
     return d_hidden, d_weight
+
+
+def _chunk_input_grads(dz, h, weight, bufs, d_hidden, d_weight, start, end):
+    """Add one chunk's share to d hidden and d weight (None: not wanted), from its logit
+    gradient dz (fp32 scratch or the matmul dtype)."""
+    if dz.dtype != weight.dtype:
+        dz = bufs.mm[:end - start].copy_(dz)
+    if d_hidden is not None:
+        d_hidden[start:end] = torch.mm(dz, weight)
+    if d_weight is not None:
+        d_weight.addmm_(dz.t(), h)
 
 
 class _LinearLogprobEntropy(torch.autograd.Function):
@@ -441,12 +447,7 @@ def _single_pass(hidden, weight, local_labels, inv_t, chunk, tp_group, token_los
             dz = chunk_grad(z, inv_t, log_z, ent_arg, g_lp, g_ent, labels)
         else:
             dz = _torch_grad_from_stats(z, e, m, log_z, ent_arg, g_lp, g_ent, labels)
-            if dz.dtype != weight.dtype:
-                dz = bufs.mm[:end - start].copy_(dz)
-        if need_hidden:
-            d_hidden[start:end] = torch.mm(dz, weight)
-        if need_weight:
-            d_weight.addmm_(dz.t(), h)
+        _chunk_input_grads(dz, h, weight, bufs, d_hidden, d_weight, start, end)
     return total.float(), logprob, entropy, d_hidden, d_weight
 
 
