@@ -25,6 +25,7 @@ from engine.hybrid import HybridEngine
 from engine.perf import CommTimer, step_flops
 from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
 from engine.rollout.base import SamplingParams
+from parallel.cpu import suspended as cpu_function_mode_suspended
 
 
 class KLGuard:
@@ -212,6 +213,12 @@ class Trainer:
         per = len(prompts) // self.dp
         return list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
 
+    def _rollout_generate(self, prompt_ids, sampling):
+        # the rollout engine runs no Megatron code, so on CPU it runs without parallel.cpu's
+        # per-op device rewriting (a no-op elsewhere)
+        with cpu_function_mode_suspended():
+            return self.rollout.generate(prompt_ids, sampling)
+
     def generate(self, prompts, sampling, n=None, rows=None):
         """Responses for this DP rank's prompts as a training Batch (n per prompt, prompt-major).
 
@@ -221,7 +228,7 @@ class Trainer:
         n = sampling.n if n is None else n
         total = len(prompts)
         mine = list(range(self.rank, total, self.world))
-        out = self.rollout.generate([prompts.input_ids[i] for i in mine], sampling) if mine else None
+        out = self._rollout_generate([prompts.input_ids[i] for i in mine], sampling) if mine else None
         gathered = [None] * self.world
         payload = None if out is None else (mine, out.responses, out.log_probs, out.routed_experts)
         dist.all_gather_object(gathered, payload)
@@ -362,7 +369,7 @@ class Trainer:
         rows = [self.val_data[i] for i in range(n)]
         sampling = self._sampling(train=False)
         mine = list(range(self.rank, n, self.world))
-        out = self.rollout.generate([rows[i]["input_ids"] for i in mine], sampling) if mine else None
+        out = self._rollout_generate([rows[i]["input_ids"] for i in mine], sampling) if mine else None
         scores = []
         if out is not None:
             texts = self.tokenizer.batch_decode(
