@@ -106,6 +106,9 @@ class _Pool:
         return [v for _, v in results]
 
     def close(self, graceful=True):
+        # processes the workers started (megatron's checkpoint writer keeps a multiprocessing
+        # Manager) would outlive a killed worker as orphans: note them first, end them last
+        children = self._descendants()
         for p, box in zip(self.procs, self.inboxes):
             if graceful and p.is_alive():
                 box.put(None)
@@ -113,6 +116,21 @@ class _Pool:
             p.join(timeout=5 if graceful else 0.1)
             if p.is_alive():
                 p.kill()
+        for child in children:
+            try:
+                child.kill()
+            except Exception:  # already gone
+                pass
+
+    def _descendants(self):
+        import psutil
+        found = []
+        for p in self.procs:
+            try:
+                found += psutil.Process(p.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+        return found
 
 
 _POOLS = {}

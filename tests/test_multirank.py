@@ -43,3 +43,23 @@ def test_hung_collective_times_out():
 def test_error_names_the_rank():
     with pytest.raises(RuntimeError, match="(?s)rank 0.*boom on rank 0"):
         run_on_ranks(_raise_on_rank0, 2)
+
+
+def _start_lingering_child():
+    import multiprocessing as mp
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=False)
+    child.start()
+    return child.pid
+
+
+def test_closing_a_pool_ends_the_processes_its_workers_started():
+    import psutil
+
+    from tests import multirank
+    pid = run_on_ranks(_start_lingering_child, 1)[0]
+    assert psutil.pid_exists(pid)
+    multirank._POOLS.pop(1).close()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker's child outlived the pool"
+        time.sleep(0.1)
