@@ -58,7 +58,8 @@ def init_distributed(timeout_s: float = 600.0):
     os.environ.setdefault("WORLD_SIZE", "1")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
+        # NCCL for device tensors; gloo for the CPU tensors the trainer reduces (metrics, counts)
+        backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))

@@ -43,9 +43,9 @@ class LogProbModel(MegatronWorker):
 
         def head(hidden, mb):
             lp, ent = self._logprob_entropy(hidden, mb, temperature, with_entropy)
-            info = dict(rows=mb.rows, log_prob=mb.to_padded(lp.float()))
+            info = dict(rows=mb.rows, log_prob=mb.to_padded(lp.float()).cpu())
             if with_entropy:
-                info["entropy"] = mb.to_padded(ent.float())
+                info["entropy"] = mb.to_padded(ent.float()).cpu()
             return lp.sum() * 0.0, info
 
         infos = self.run(micro, head, forward_only=True)
@@ -125,10 +125,15 @@ class ActorWorker(LogProbModel):
         logits of a chunk are at hand; GSPO and `use_fused_kernels=False` differentiate the
         log-probs the usual way."""
         cfg = self.cfg
-        mask = mini["response_mask"][mb.rows].float()
-        old = mini["old_log_probs"][mb.rows] if "old_log_probs" in mini else None  # None: on-policy
-        adv = mini["advantages"][mb.rows]
-        ref = mini["ref_log_prob"][mb.rows] if cfg.use_kl_loss else None
+        device = hidden.device
+
+        def rows_of(key):  # this micro-batch's rows of a mini-batch field, on the model's device
+            return mini[key][mb.rows].to(device) if key in mini else None
+
+        mask = rows_of("response_mask").float()
+        old = rows_of("old_log_probs")  # None: on-policy
+        adv = rows_of("advantages")
+        ref = rows_of("ref_log_prob") if cfg.use_kl_loss else None
         if cfg.policy_loss != "gspo" and self.model_cfg.use_fused_kernels:
             loss, lp, ent = self._single_pass_loss(hidden, mb, mask, old, adv, ref, norm,
                                                    temperature)
@@ -208,7 +213,7 @@ class ActorWorker(LogProbModel):
         values = torch.zeros(len(names), dtype=torch.float64)
         if self.is_last_stage:
             for info in infos:
-                values += torch.stack([info[k].double() for k in names])
+                values += torch.stack([info[k].double() for k in names]).cpu()
         values = self.dp_all_reduce(values)
         values = self.broadcast_from_last_stage(values, values.shape, values.dtype)
         return {k: float(v) for k, v in zip(names, values)}

@@ -7,6 +7,7 @@ sees pad tokens: each sample's valid tokens are either packed back to back into 
 (`use_remove_padding`, THD) or left-aligned and right-padded per row, so attention is causal
 and RoPE positions start at 0 for every sequence.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -36,16 +37,31 @@ class MicroBatch:
     last_tokens: torch.Tensor     # flat index of each row's last valid token
     routing: Optional[list] = None  # per MoE layer [tokens, topk] experts to replay (router_replay)
 
-    def _valid(self):
-        return torch.arange(self.response_width)[None, :] < torch.tensor(self.response_lengths)[:, None]
+    def _valid(self, device):
+        lengths = torch.tensor(self.response_lengths, device=device)
+        return torch.arange(self.response_width, device=device)[None, :] < lengths[:, None]
 
     def to_padded(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-prediction values [n] -> [rows, R] right-padded with zeros (differentiable)."""
-        return flat.new_zeros(len(self.rows), self.response_width).masked_scatter(self._valid(), flat)
+        return flat.new_zeros(len(self.rows), self.response_width).masked_scatter(
+            self._valid(flat.device), flat)
 
     def to_flat(self, padded: torch.Tensor) -> torch.Tensor:
         """[rows, R] -> per-prediction values [n], the inverse of `to_padded`."""
-        return padded[self._valid()]
+        return padded[self._valid(padded.device)]
+
+    def to(self, device) -> "MicroBatch":
+        """The model's inputs on `device` (micro-batches are built on the CPU)."""
+        params = self.packed_params
+        if params is not None:
+            params = dataclasses.replace(params, **{
+                f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
+                if isinstance(getattr(params, f.name), torch.Tensor)})
+        return dataclasses.replace(
+            self, tokens=self.tokens.to(device), packed_params=params,
+            positions=self.positions.to(device), labels=self.labels.to(device),
+            last_tokens=self.last_tokens.to(device),
+            routing=None if self.routing is None else [r.to(device) for r in self.routing])
 
 
 def sample_sequences(batch: Batch):
@@ -150,6 +166,13 @@ class MegatronWorker:
         return [getattr(c, "module", c) for c in self.chunks]
 
     @property
+    def device(self):
+        """Where the model and its inputs live: this rank's GPU, or the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def is_last_stage(self):
         return ps.is_pipeline_last_stage()
 
@@ -222,12 +245,15 @@ class MegatronWorker:
         """Run micro-batches through the pipeline. `head_fn(output, mb)` gets the last stage's
         output (hidden states [b, s, h] or values [b, s]) and returns (loss, info)."""
 
+        device = self.device
+
         def step(model, mb: MicroBatch):
+            mb = mb.to(device)
             if self.router_replay and mb.routing is not None:
                 self._set_replay(model, mb)
             out = model(mb.tokens, None if mb.packed_params is not None else
-                        torch.arange(mb.tokens.shape[1]).expand_as(mb.tokens), None,
-                        packed_seq_params=mb.packed_params)
+                        torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens),
+                        None, packed_seq_params=mb.packed_params)
 
             def loss_fn(output):
                 loss, info = head_fn(output, mb)
@@ -280,7 +306,7 @@ class MegatronWorker:
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return tensor
         if tensor is None:
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype)  # CPU: the gloo half of the process group
         dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
         return tensor

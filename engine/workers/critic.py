@@ -35,7 +35,7 @@ class CriticWorker(MegatronWorker):
 
         def head(output, mb):
             v = self._values(output, mb)
-            return v.sum() * 0.0, dict(rows=mb.rows, values=v)
+            return v.sum() * 0.0, dict(rows=mb.rows, values=v.cpu())
 
         infos = self.run(micro, head, forward_only=True)
         full = None
@@ -58,10 +58,11 @@ class CriticWorker(MegatronWorker):
                     mini["response_mask"], self.response_length), ps.get_data_parallel_group())
 
                 def head(output, mb, mini=mini, norm=norm):
-                    mask = mini["response_mask"][mb.rows].float()
-                    loss, clipfrac = value_loss(self._values(output, mb), mini["values"][mb.rows],
-                                                mini["returns"][mb.rows], mask,
-                                                cfg.cliprange_value, cfg.loss_agg_mode, norm)
+                    mask, old, returns = (mini[k][mb.rows].to(output.device)
+                                          for k in ("response_mask", "values", "returns"))
+                    loss, clipfrac = value_loss(self._values(output, mb), old, returns,
+                                                mask.float(), cfg.cliprange_value,
+                                                cfg.loss_agg_mode, norm)
                     return loss, dict(vf_loss=loss.detach(), vf_clipfrac=clipfrac.detach())
 
                 self.zero_grad()
@@ -73,7 +74,7 @@ class CriticWorker(MegatronWorker):
                 if self.is_last_stage:
                     for info in infos:
                         values += torch.stack([info["vf_loss"].double(),
-                                               info["vf_clipfrac"].double()])
+                                               info["vf_clipfrac"].double()]).cpu()
                 values = self.broadcast_from_last_stage(self.dp_all_reduce(values), (2,),
                                                         torch.float64)
                 history["critic/vf_loss"].append(float(values[0]))

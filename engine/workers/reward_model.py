@@ -26,7 +26,7 @@ class RewardModelWorker(MegatronWorker):
 
         def head(output, mb):
             scores = output.reshape(-1)[mb.last_tokens].float()
-            return scores.sum() * 0.0, dict(rows=mb.rows, scores=scores)
+            return scores.sum() * 0.0, dict(rows=mb.rows, scores=scores.cpu())
 
         infos = self.run(micro, head, forward_only=True)
         full = None
