@@ -56,14 +56,25 @@ def step_flops(n_params, tokens, *, ppo_epochs=1, critic_epochs=1, critic=False,
     return 2.0 * n_params * tokens * passes
 
 
+def proc_status_bytes(key):
+    """A memory field of /proc/self/status ("VmRSS", "VmHWM", ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    raise KeyError(key)
+
+
 def peak_rss_bytes():
     """This process's peak resident memory (VmHWM). Unlike getrusage's ru_maxrss, it belongs to
     the current address space, so a process spawned by a large parent does not inherit the
     parent's peak through fork + exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+    peak = proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -185,14 +185,6 @@ MEMORY_MODEL = dict(hidden_size=512, intermediate_size=1024, vocab_size=2048, nu
                     num_key_value_heads=4)
 
 
-def _proc_status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def test_reshard_peak_rss_is_one_bucket(tmp_path):
     """Resident-set high-water mark of a full reshard over the resident set at its start, in
     fresh processes (tools/bench_reshard.py): the pool's workers keep freed heap pages from
@@ -224,6 +216,7 @@ def _cycles_run(cycles, bucket_megabytes):
     import ctypes
 
     from engine.hybrid import HybridEngine
+    from engine.perf import proc_status_bytes
     from engine.rollout.base import SamplingParams
     from engine.rollout.cpu import CPURollout
     from parallel.shards import local_shards
@@ -239,11 +232,11 @@ def _cycles_run(cycles, bucket_megabytes):
                 p.mul_(0.98)
         engine.to_rollout()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        synced.append(_proc_status("VmRSS"))
+        synced.append(proc_status_bytes("VmRSS"))
         out = rollout.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=2))
         outputs.append(out.responses)
         engine.to_training()
-        released.append(_proc_status("VmRSS"))
+        released.append(proc_status_bytes("VmRSS"))
     return dict(synced=synced, released=released, outputs=outputs,
                 model_bytes=sum(4 * p.numel() for p in params) * 2)  # TP=2: the model, roughly
 

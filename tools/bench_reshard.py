@@ -47,20 +47,13 @@ def model_config(args):
     return cfg
 
 
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _time_reshard(chunks, bucket_bytes, repeat):
     import ctypes
     import gc
 
     import torch.distributed as dist
 
+    from engine.perf import proc_status_bytes
     from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
     start = time.perf_counter()
@@ -72,7 +65,7 @@ def _time_reshard(chunks, bucket_bytes, repeat):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the high-water mark to the current resident set
-        base = _status("VmRSS")
+        base = proc_status_bytes("VmRSS")
         counter, buckets = MemoryCounter(), 0
         dist.barrier()
         start = time.perf_counter()
@@ -80,7 +73,7 @@ def _time_reshard(chunks, bucket_bytes, repeat):
             buckets += 1
         dist.barrier()
         runs.append(dict(seconds=time.perf_counter() - start, buckets=buckets,
-                         counted_peak=counter.peak, rss_peak=_status("VmHWM") - base))
+                         counted_peak=counter.peak, rss_peak=proc_status_bytes("VmHWM") - base))
     # time: the best run; memory: the last one (the first may grow the allocator's arenas)
     return dict(runs[-1], seconds=min(r["seconds"] for r in runs), plan_s=plan_s,
                 model_bytes=plan.nbytes, shapes=[(t.shape, t.dtype) for t in plan.tensors])
