@@ -39,8 +39,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["linear_logprob_entropy", "linear_token_loss", "naive_logprob_entropy", "default_chunk_tokens",
-           "resolve_backend", "optional_libraries", "BACKENDS"]
+__all__ = ["linear_logprob_entropy", "linear_token_loss", "naive_logprob_entropy",
+           "default_chunk_tokens", "resolve_backend", "optional_libraries", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton")
 
