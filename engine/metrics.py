@@ -93,6 +93,22 @@ class MetricsLogger:
         if "console" in self.loggers:
             print(self.progress_line(scalars, step), file=self.stream, flush=True)
 
+    def start_fresh(self):
+        """A run starting from step 0: an earlier run's records under this name are kept aside
+        as metrics.prev-<time>.jsonl, neither mixed with the new ones nor lost."""
+        if not self.enabled or self._jsonl is None:
+            return
+        self._jsonl.close()
+        if os.path.getsize(self.jsonl_path) > 0:
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+            while True:
+                kept = os.path.join(self.run_dir, f"metrics.prev-{stamp}{f'-{n}' if n else ''}.jsonl")
+                if not os.path.exists(kept):
+                    break
+                n += 1
+            os.replace(self.jsonl_path, kept)
+        self._jsonl = open(self.jsonl_path, "a")
+
     def truncate_after(self, step):
         """A resumed run redoes the steps after its checkpoint: drop their old JSONL records."""
         if not self.enabled or self._jsonl is None:

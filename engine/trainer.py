@@ -424,11 +424,12 @@ class Trainer:
             self.checkpoints.save(self.step_count, self.workers(), self.state_dict())
 
     def resume(self):
-        if self.checkpoints is None:
-            return
         t = self.cfg.trainer
-        path = self.checkpoints.resolve(t.resume_mode, t.resume_from_path)
+        path = None
+        if self.checkpoints is not None:
+            path = self.checkpoints.resolve(t.resume_mode, t.resume_from_path)
         if path is None:
+            self.logger.start_fresh()
             return
         state = self.checkpoints.load(path, self.workers())
         self.load_state_dict(state)

@@ -63,6 +63,34 @@ def test_only_rank0_writes(tmp_path):
         MetricsLogger(str(tmp_path), loggers=["wandb"])
 
 
+def _steps(path):
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_resume_truncates_and_a_fresh_run_keeps_the_old_records_aside(tmp_path):
+    def run(steps, resume_at=None):
+        logger = MetricsLogger(str(tmp_path), ["jsonl"], project=None, experiment="exp",
+                               stream=io.StringIO())
+        if resume_at is None:
+            logger.start_fresh()
+        else:
+            logger.truncate_after(resume_at)
+        for step in steps:
+            logger.log({"actor/pg_loss": float(step)}, step)
+        logger.close()
+
+    current = tmp_path / "exp" / "metrics.jsonl"
+    run([1, 2, 3, 4])
+    run([3, 4, 5], resume_at=2)  # a resumed run redoes the steps after its checkpoint
+    assert _steps(current) == [1, 2, 3, 4, 5]
+    run([1, 2])  # a new run under the same name
+    assert _steps(current) == [1, 2]
+    kept = list((tmp_path / "exp").glob("metrics.prev-*.jsonl"))
+    assert len(kept) == 1 and _steps(kept[0]) == [1, 2, 3, 4, 5]
+    run([1])  # and again: the second earlier run is kept too, under another name
+    assert len(list((tmp_path / "exp").glob("metrics.prev-*.jsonl"))) == 2
+
+
 def test_timer_accumulates():
     timings = {}
     for _ in range(2):
