@@ -1,0 +1,229 @@
+"""Loading: YAML (1.2 floats) and dotted `key=value` overrides onto the typed schema."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import functools
+import re
+import typing
+from typing import Any, Literal, Optional
+
+import yaml
+
+from engine.config.schema import MOVED_KEYS, ConfigError, TridentConfig, _join
+from engine.config.validate import validate
+
+
+# --------------------------------------------------------------------------------------------
+# YAML (with YAML 1.2 floats: PyYAML alone reads `1e-3` as a string)
+# --------------------------------------------------------------------------------------------
+
+_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+for _cls in (_Loader, _Dumper):  # the dumper needs it too, so it quotes strings like '1e-3'
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: mappings and overrides onto typed dataclasses
+# --------------------------------------------------------------------------------------------
+
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TridentConfig:
+    """Defaults <- YAML file (if any) <- `a.b.c=value` overrides, then `validate`."""
+    cfg = TridentConfig()
+    if path is not None:
+        with open(path) as f:
+            data = _parse_yaml(f.read(), str(path))
+        if data is not None:
+            _merge(cfg, data, "")
+    for override in overrides:
+        apply_override(cfg, override)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> TridentConfig:
+    """Build and validate a config from a nested mapping (missing keys take defaults)."""
+    cfg = TridentConfig()
+    _merge(cfg, data, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: TridentConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: TridentConfig) -> str:
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def apply_override(cfg: TridentConfig, override: str) -> None:
+    """Set one `dotted.key=value` in place; the value is parsed as YAML (1e-3, true, [1,2], null)."""
+    key, sep, text = override.partition("=")
+    key = key.strip().lstrip("+")  # verl/Hydra habit: `+key=value`; every key here is in the schema
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like section.key=value, "
+                          f"e.g. actor_rollout_ref.actor.kl_loss_coef=0.002")
+    value = _parse_yaml(text, f"override {override!r}")
+    _set_path(cfg, key.split("."), value, "")
+
+
+def _merge(obj: Any, data: Any, prefix: str) -> None:
+    if data is None:  # an empty YAML section (`critic:`) keeps its defaults
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the config'}={data!r}: expected a mapping of "
+                          f"{type(obj).__name__} keys")
+    for name, value in data.items():
+        key = _join(prefix, str(name))
+        tp = _field_type(type(obj), str(name), key)
+        if dataclasses.is_dataclass(tp):
+            _merge(getattr(obj, name), value, key)
+        else:
+            setattr(obj, name, _convert(value, tp, key))
+
+
+def _set_path(obj: Any, parts: list[str], value: Any, prefix: str) -> None:
+    name, rest = parts[0], parts[1:]
+    key = _join(prefix, name)
+    tp = _field_type(type(obj), name, key)
+    if not rest:
+        if dataclasses.is_dataclass(tp):
+            _merge(getattr(obj, name), value, key)
+        else:
+            setattr(obj, name, _convert(value, tp, key))
+    elif dataclasses.is_dataclass(tp):
+        _set_path(getattr(obj, name), rest, value, key)
+    elif _strip_optional(tp) is dict:  # free-form dicts (model.config, override_config) take sub-keys
+        new = copy.deepcopy(getattr(obj, name)) or {}
+        node = new
+        for part in rest[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[rest[-1]] = value
+        setattr(obj, name, new)
+    else:
+        raise ConfigError(f"{key} is a {_describe(tp)}, not a section: cannot set "
+                          f"{_join(key, '.'.join(rest))}; set {key}=VALUE")
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _field_type(cls: type, name: str, key: str) -> Any:
+    hints = _hints(cls)
+    if name not in hints:
+        raise ConfigError(_unknown_key_message(key, cls))
+    return hints[name]
+
+
+@functools.cache
+def all_keys() -> tuple[str, ...]:
+    """Every dotted key of the schema (sections and leaves)."""
+    out = []
+
+    def walk(cls, prefix):
+        for name, tp in _hints(cls).items():
+            key = _join(prefix, name)
+            out.append(key)
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key)
+    walk(TridentConfig, "")
+    return tuple(out)
+
+
+def _unknown_key_message(key: str, cls: type) -> str:
+    if key in MOVED_KEYS:
+        return f"unknown config key {key!r}: in this engine it is {MOVED_KEYS[key]!r}"
+    parent, _, leaf = key.rpartition(".")
+    siblings = list(_hints(cls))
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"unknown config key {key!r}; did you mean {_join(parent, close[0])!r}?"
+    elsewhere = [k for k in all_keys() if k.rpartition(".")[2] == leaf]  # right name, wrong section
+    if elsewhere:
+        return f"unknown config key {key!r}; did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?"
+    return (f"unknown config key {key!r}; valid keys under {parent or 'the top level'!r}: "
+            f"{', '.join(siblings)}")
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = _strip_optional(tp)
+        return f"{_describe(inner)} or null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"list of {_describe(args[0])}"
+    if tp is float:
+        return "float (a number)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; ints become floats for float keys."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return copy.deepcopy(value)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        return _convert(value, _strip_optional(tp), key)
+    if value is None:
+        raise ConfigError(f"{key}=null is not allowed: expected {_describe(tp)}")
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise ConfigError(f"{key}={value!r} is not allowed: use one of "
+                          + ", ".join(repr(a) for a in args))
+    if origin is list:
+        if isinstance(value, str) and args[0] is str:
+            value = [value]  # `data.train_files=a.parquet`
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected {_describe(tp)}, "
+                              f"got {type(value).__name__}; write a list like [a, b]")
+        return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          dict: lambda v: isinstance(v, dict)}[tp]
+    if not ok(value):
+        hint = "; quote it to make it a string" if tp is str else ""
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_describe(tp)}, "
+                          f"got {type(value).__name__}{hint}")
+    if tp is float:
+        return float(value)
+    return copy.deepcopy(value)
+
+

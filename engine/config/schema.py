@@ -1,0 +1,314 @@
+"""The recipe schema: typed dataclasses with verl's key names, and the allowed values."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class ConfigError(ValueError):
+    """A recipe problem: names the dotted key, the offending value and how to fix it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Allowed values
+# --------------------------------------------------------------------------------------------
+
+Truncation = Literal["error", "left", "right", "filter"]
+PolicyLoss = Literal["vanilla", "gspo"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# "+" variants: the value of the named estimator with the gradient of k2 (straight-through).
+KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full+"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+ParamsDtype = Literal["float32", "bfloat16", "float16"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+CheckpointContent = Literal["model", "optimizer", "extra"]
+RolloutName = Literal["cpu", "sglang", "auto"]
+RewardManager = Literal["naive", "batch"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+KlCtrlType = Literal["fixed", "adaptive"]
+Logger = Literal["console", "tensorboard", "jsonl"]
+Device = Literal["auto", "cpu", "cuda"]
+ResumeMode = Literal["auto", "disable", "resume_path"]
+
+# Estimators that compare responses within a group of n samples per prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# Keys that share one Megatron process-group layout across all models of a run.
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "virtual_pipeline_model_parallel_size", "context_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")
+
+# verl keys that live elsewhere here (one key per concept): unknown-key errors point at them.
+MOVED_KEYS = {
+    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    "critic.grad_clip": "critic.optim.clip_grad",
+    "actor_rollout_ref.ref.param_offload": "actor_rollout_ref.ref.megatron.param_offload",
+    "actor_rollout_ref.actor.clip_grad": "actor_rollout_ref.actor.optim.clip_grad",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet file(s); a lone string is accepted
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per PPO step
+    val_batch_size: Optional[int] = None  # null: the whole validation set at once
+    shuffle: bool = True
+    seed: int = 1
+    truncation: Truncation = "error"  # over-long prompts: raise, cut left/right, or drop them
+    filter_overlong_prompts: bool = False  # same as truncation='filter' (derive() makes both agree)
+    return_raw_chat: bool = False
+    chat_template: bool = True  # format prompts with the tokenizer's chat template
+    builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
+    builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF model directory
+    tokenizer_path: Optional[str] = None  # null: the model path (or the built-in task's tokenizer)
+    config: Optional[dict] = None  # inline HF config dict: builds a randomly initialised model
+    use_fused_kernels: bool = True
+    use_remove_padding: bool = True
+    enable_gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    override_config: dict = field(default_factory=dict)  # merged into the pretrained model's config
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    lr_warmup_steps: int = -1  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    min_lr: float = 0.0
+    lr_decay_style: LrDecayStyle = "constant"
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    total_training_steps: Optional[int] = None  # filled by derive(); leave null
+
+
+@dataclass
+class MegatronConfig:
+    # Layout keys. In ref/critic/reward_model sections null means "same as the actor".
+    tensor_model_parallel_size: Optional[int] = 1
+    pipeline_model_parallel_size: Optional[int] = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # null: no interleaving
+    context_parallel_size: Optional[int] = 1
+    expert_model_parallel_size: Optional[int] = 1
+    expert_tensor_parallel_size: Optional[int] = None  # null: same as tensor_model_parallel_size
+    sequence_parallel: Optional[bool] = False
+    # Per-model settings.
+    use_distributed_optimizer: bool = True
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    recompute_granularity: Optional[RecomputeGranularity] = None
+    recompute_method: Optional[RecomputeMethod] = None
+    recompute_num_layers: Optional[int] = None
+    seed: int = 42
+    params_dtype: Optional[ParamsDtype] = "bfloat16"  # ref / critic / reward model: null = the actor's
+
+
+def _inherited_megatron() -> MegatronConfig:
+    return MegatronConfig(tensor_model_parallel_size=None, pipeline_model_parallel_size=None,
+                          context_parallel_size=None, expert_model_parallel_size=None,
+                          sequence_parallel=None, params_dtype=None)
+
+
+@dataclass
+class CheckpointConfig:
+    save_contents: list[CheckpointContent] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+
+
+@dataclass
+class ActorConfig:
+    strategy: Literal["megatron"] = "megatron"
+    ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n sequences)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences; required unless use_dynamic_bsz
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # null: clip_ratio
+    clip_ratio_high: Optional[float] = None  # null: clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    policy_loss: PolicyLoss = "vanilla"
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KlEstimator = "low_var_kl"
+    router_replay: bool = False  # MoE: replay the rollout's expert routing in training
+    # On-policy steps (ppo_epochs 1, one mini-batch per step, no KL in the reward) take the old
+    # log-probs from the update's own forward, detached, instead of a separate forward pass:
+    # same weights, so the same values (ratio exactly 1), one forward fewer per step.
+    on_policy_old_log_prob: bool = True
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    n: int = 1  # responses per prompt
+    prompt_length: Optional[int] = None  # null: data.max_prompt_length
+    response_length: Optional[int] = None  # null: data.max_response_length
+    do_sample: bool = True
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    free_cache_engine: bool = True
+    update_weights_bucket_megabytes: int = 512
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: actor's ppo_micro_batch_size_per_gpu
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # null: actor's use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor's ppo_max_token_len_per_gpu
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # always generate response_length tokens (throughput benchmarks)
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class RefConfig:
+    megatron: MegatronConfig = field(default_factory=_inherited_megatron)
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # null: true iff algorithm.adv_estimator == 'gae'
+    model: ModelConfig = field(default_factory=ModelConfig)  # path and config null: the actor's model
+    ppo_mini_batch_size: Optional[int] = None  # null: the actor's
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the actor's
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    ppo_epochs: Optional[int] = None  # null: the actor's
+    cliprange_value: float = 0.5
+    loss_agg_mode: LossAggMode = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig = field(default_factory=_inherited_megatron)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 0  # tokens before max_response_length where the length penalty starts
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    micro_batch_size_per_gpu: Optional[int] = None  # required when enabled
+    megatron: MegatronConfig = field(default_factory=_inherited_megatron)
+    reward_manager: RewardManager = "naive"
+    num_workers: int = 0  # Ray pool size for rule rewards; 0: in process
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class KlCtrlConfig:
+    type: KlCtrlType = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class KlGuardConfig:
+    enable: bool = False
+    kl_ceiling: float = 0.1
+    entropy_floor: float = 0.0
+    raise_factor: float = 2.0
+    lower_factor: float = 0.5
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: AdvEstimator = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KlEstimator = "kl"
+    kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
+    kl_guard: KlGuardConfig = field(default_factory=KlGuardConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "trident"
+    experiment_name: str = "default"
+    logger: list[Logger] = field(default_factory=lambda: ["console"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    device: Device = "auto"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # null: epochs x (dataset prompts // train_batch_size)
+    test_freq: int = -1  # -1: never
+    save_freq: int = -1  # -1: never
+    val_before_train: bool = True
+    default_local_dir: Optional[str] = None  # null: checkpoints/{project_name}/{experiment_name}
+    resume_mode: ResumeMode = "auto"
+    resume_from_path: Optional[str] = None
+    max_actor_ckpt_to_keep: Optional[int] = None  # null: keep all
+    save_hf: bool = False
+    log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
+    profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
+    seed: int = 1
+
+
+@dataclass
+class TridentConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+

@@ -1,0 +1,350 @@
+"""Validation: one ConfigError naming the key, the value and the fix, per mistake."""
+from __future__ import annotations
+
+import copy
+import math
+import typing
+from typing import Any, Optional
+
+from engine.config.schema import (GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, MegatronConfig,
+                                  ModelConfig, OptimConfig, RewardModelConfig, TridentConfig, _join)
+
+
+# --------------------------------------------------------------------------------------------
+# Value validation (layout-independent; layout checks live in validate_layout)
+# --------------------------------------------------------------------------------------------
+
+def _fail(key: str, value: Any, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _check(obj: Any, prefix: str, name: str, *, gt=None, ge=None, le=None,
+           allow=(), optional=False) -> None:
+    """Range check on obj.name; `allow` lists extra accepted sentinels (e.g. -1 = off)."""
+    value = getattr(obj, name)
+    if (value is None and optional) or value in allow:
+        return
+    rules = [(gt, f"> {gt}", lambda v: v > gt), (ge, f">= {ge}", lambda v: v >= ge),
+             (le, f"<= {le}", lambda v: v <= le)]
+    wanted = [text for bound, text, _ in rules if bound is not None]
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if not finite or not all(ok(value) for bound, _, ok in rules if bound is not None):
+        sentinel = "".join(f" (or {a!r} to turn it off)" for a in allow)
+        want = " and ".join(wanted) if wanted else "a finite number"
+        _fail(_join(prefix, name), value, f"must be {want}{sentinel}; set a value in that range")
+
+
+def validate(cfg: TridentConfig) -> None:
+    """Raise ConfigError for the first impossible value or inconsistent combination."""
+    _validate_data(cfg.data)
+    arr = cfg.actor_rollout_ref
+    if arr.actor.megatron.params_dtype is None:
+        _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
+              "the actor's parameter dtype must be set: float32, bfloat16 or float16")
+    if not arr.hybrid_engine:
+        _fail("actor_rollout_ref.hybrid_engine", False,
+              "only the colocated hybrid engine is implemented; set it to true")
+    _validate_model(arr.model, "actor_rollout_ref.model", cfg.data, required=True)
+    _validate_actor(cfg)
+    _validate_rollout(cfg)
+    ref = arr.ref
+    _check(ref, "actor_rollout_ref.ref", "log_prob_micro_batch_size_per_gpu", ge=1, optional=True)
+    _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
+    _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
+    _validate_critic(cfg)
+    _validate_reward_model(cfg.reward_model)
+    _validate_algorithm(cfg)
+    _validate_trainer(cfg)
+
+
+def _validate_data(data: DataConfig) -> None:
+    p = "data"
+    for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        _check(data, p, name, ge=1)
+    _check(data, p, "val_batch_size", ge=1, optional=True)
+    _check(data, p, "dataloader_num_workers", ge=0)
+    if not data.prompt_key:
+        _fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
+    if not data.train_files and data.builtin_task is None:
+        _fail("data.train_files", data.train_files,
+              "no training data: set data.train_files to parquet file(s) or data.builtin_task (e.g. 'arith')")
+    if data.train_files and data.builtin_task is not None:
+        _fail("data.builtin_task", data.builtin_task,
+              f"data.train_files={data.train_files!r} is also set; use one source: set builtin_task=null "
+              f"or train_files=[]")
+
+
+def _validate_model(model: ModelConfig, prefix: str, data: DataConfig, required: bool) -> None:
+    if model.path is not None and model.config is not None:
+        _fail(f"{prefix}.config", "{...}", f"{prefix}.path={model.path!r} is also set; model.config builds a "
+              f"random model, so set only one (use {prefix}.override_config to change a pretrained config)")
+    if required and model.path is None and model.config is None:
+        _fail(f"{prefix}.path", None, "set it to a HF model directory, or set model.config to an inline "
+              "HF config dict to build a random model")
+    if (required and model.config is not None and model.tokenizer_path is None
+            and data.builtin_task is None):
+        _fail(f"{prefix}.tokenizer_path", None, "a model built from model.config has no tokenizer: set "
+              "tokenizer_path or data.builtin_task")
+
+
+def _validate_optim(optim: OptimConfig, prefix: str) -> None:
+    _check(optim, prefix, "lr", ge=0.0)
+    _check(optim, prefix, "min_lr", ge=0.0, le=optim.lr)
+    _check(optim, prefix, "lr_warmup_steps", ge=0, allow=(-1,))
+    _check(optim, prefix, "lr_warmup_steps_ratio", ge=0.0, le=1.0)
+    _check(optim, prefix, "weight_decay", ge=0.0)
+    _check(optim, prefix, "eps", gt=0.0)
+    _check(optim, prefix, "clip_grad", gt=0.0)
+    _check(optim, prefix, "total_training_steps", ge=1, optional=True)
+    if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
+        _fail(f"{prefix}.betas", optim.betas, "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+
+
+def _validate_megatron(m: MegatronConfig, prefix: str, is_actor: bool) -> None:
+    for name in LAYOUT_KEYS:
+        value = getattr(m, name)
+        nullable = (not is_actor or name in ("virtual_pipeline_model_parallel_size",
+                                             "expert_tensor_parallel_size"))
+        if value is None and not nullable:
+            _fail(f"{prefix}.{name}", None, "the actor defines the parallel layout; set it "
+                  f"(e.g. {False if name == 'sequence_parallel' else 1})")
+        if name != "sequence_parallel":
+            _check(m, prefix, name, ge=1, optional=True)
+    _check(m, prefix, "recompute_num_layers", ge=1, optional=True)
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        _fail(f"{prefix}.recompute_method", None, "recompute_granularity='full' needs a method: set "
+              "'uniform' or 'block' (and recompute_num_layers)")
+    if m.recompute_granularity != "full" and m.recompute_method is not None:
+        _fail(f"{prefix}.recompute_method", m.recompute_method,
+              f"only used with recompute_granularity='full' (it is {m.recompute_granularity!r}); set it to null")
+
+
+def _validate_actor(cfg: TridentConfig) -> None:
+    actor, p = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
+    _validate_ppo_batching(actor, p, cfg, micro_required=True)
+    _check(actor, p, "ppo_epochs", ge=1)
+    _check(actor, p, "clip_ratio", gt=0.0)
+    _check(actor, p, "clip_ratio_low", gt=0.0, optional=True)
+    _check(actor, p, "clip_ratio_high", gt=0.0, optional=True)
+    _check(actor, p, "clip_ratio_c", gt=1.0)
+    _check(actor, p, "entropy_coeff")
+    _check(actor, p, "kl_loss_coef", ge=0.0)
+    _validate_optim(actor.optim, f"{p}.optim")
+    _validate_megatron(actor.megatron, f"{p}.megatron", is_actor=True)
+
+
+def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_required: bool) -> None:
+    """Mini-batch counts prompts (verl); micro-batch counts sequences per rank."""
+    _check(section, p, "ppo_mini_batch_size", ge=1, optional=True)
+    _check(section, p, "ppo_micro_batch_size_per_gpu", ge=1, optional=True)
+    _check(section, p, "ppo_max_token_len_per_gpu", ge=1)
+    mini, batch = section.ppo_mini_batch_size, cfg.data.train_batch_size
+    if mini is not None and batch % mini:
+        options = ", ".join(str(d) for d in _divisors(batch)[-6:])
+        _fail(f"{p}.ppo_mini_batch_size", mini,
+              f"must divide data.train_batch_size={batch} (both count prompts, so mini x rollout.n "
+              f"divides train_batch_size x rollout.n); use one of {options}")
+    if section.use_dynamic_bsz:
+        need = cfg.data.max_prompt_length + cfg.data.max_response_length
+        if section.ppo_max_token_len_per_gpu < need:
+            _fail(f"{p}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu,
+                  f"must fit one full sequence (data.max_prompt_length + max_response_length = {need}); "
+                  f"set it to at least {need}")
+    elif section.ppo_micro_batch_size_per_gpu is None and micro_required:
+        _fail(f"{p}.ppo_micro_batch_size_per_gpu", None,
+              f"set the per-rank micro-batch (sequences), or set {p}.use_dynamic_bsz=true")
+
+
+def _validate_sampling(s: Any, p: str) -> None:
+    _check(s, p, "temperature", ge=0.0)
+    _check(s, p, "top_p", gt=0.0, le=1.0)
+    _check(s, p, "top_k", ge=1, allow=(-1,))
+    _check(s, p, "n", ge=1)
+
+
+def _validate_rollout(cfg: TridentConfig) -> None:
+    r, p = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    _validate_sampling(r, p)
+    _validate_sampling(r.val_kwargs, f"{p}.val_kwargs")
+    for name in ("prompt_length", "response_length", "log_prob_micro_batch_size_per_gpu",
+                 "log_prob_max_token_len_per_gpu"):
+        _check(r, p, name, ge=1, optional=True)
+    for name in ("tensor_model_parallel_size", "max_num_batched_tokens", "max_num_seqs",
+                 "update_weights_bucket_megabytes"):
+        _check(r, p, name, ge=1)
+    _check(r, p, "gpu_memory_utilization", gt=0.0, le=1.0)
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0:
+            _fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
+    if r.name == "sglang" and cfg.trainer.device == "cpu":
+        _fail(f"{p}.name", "sglang", "SGLang needs a GPU but trainer.device='cpu'; use rollout.name=cpu")
+
+
+def _validate_critic(cfg: TridentConfig) -> None:
+    c, p = cfg.critic, "critic"
+    if c.enable is False and cfg.algorithm.adv_estimator == "gae":
+        _fail("critic.enable", False, "algorithm.adv_estimator='gae' needs a critic; set critic.enable=true "
+              "(or null), or pick an estimator without a critic such as 'grpo'")
+    _validate_model(c.model, "critic.model", cfg.data, required=False)
+    _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
+    _check(c, p, "ppo_epochs", ge=1, optional=True)
+    _check(c, p, "cliprange_value", gt=0.0)
+    _validate_optim(c.optim, f"{p}.optim")
+    _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
+
+
+def _validate_reward_model(rm: RewardModelConfig) -> None:
+    p = "reward_model"
+    _check(rm, p, "num_workers", ge=0)
+    _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
+    _check(rm.overlong_buffer, f"{p}.overlong_buffer", "len", ge=0)
+    _check(rm.overlong_buffer, f"{p}.overlong_buffer", "penalty_factor", ge=0.0)
+    _validate_megatron(rm.megatron, f"{p}.megatron", is_actor=False)
+    if rm.enable and rm.model.path is None:
+        _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
+              "set it, or set reward_model.enable=false to use rule rewards")
+    if rm.enable and rm.micro_batch_size_per_gpu is None:
+        _fail("reward_model.micro_batch_size_per_gpu", None, "set the per-rank scoring micro-batch (sequences)")
+
+
+def _validate_algorithm(cfg: TridentConfig) -> None:
+    a, p = cfg.algorithm, "algorithm"
+    _check(a, p, "gamma", ge=0.0, le=1.0)
+    _check(a, p, "lam", ge=0.0, le=1.0)
+    _check(a.kl_ctrl, f"{p}.kl_ctrl", "kl_coef", ge=0.0)
+    _check(a.kl_ctrl, f"{p}.kl_ctrl", "horizon", ge=1)
+    _check(a.kl_ctrl, f"{p}.kl_ctrl", "target_kl", gt=0.0)
+    g = f"{p}.kl_guard"
+    _check(a.kl_guard, g, "kl_ceiling", gt=0.0)
+    _check(a.kl_guard, g, "entropy_floor", ge=0.0)
+    _check(a.kl_guard, g, "raise_factor", ge=1.0)
+    _check(a.kl_guard, g, "lower_factor", gt=0.0, le=1.0)
+    n = cfg.actor_rollout_ref.rollout.n
+    if a.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        _fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "
+              "responses to one prompt, so it needs at least 2; set rollout.n >= 2 (e.g. 4)")
+
+
+def _validate_trainer(cfg: TridentConfig) -> None:
+    t, p = cfg.trainer, "trainer"
+    for name in ("nnodes", "n_gpus_per_node", "total_epochs"):
+        _check(t, p, name, ge=1)
+    _check(t, p, "total_training_steps", ge=1, optional=True)
+    _check(t, p, "test_freq", ge=1, allow=(-1,))
+    _check(t, p, "save_freq", ge=1, allow=(-1,))
+    _check(t, p, "max_actor_ckpt_to_keep", ge=1, optional=True)
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        _fail("trainer.resume_from_path", t.resume_from_path,
+              "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
+    if t.resume_mode != "resume_path" and t.resume_from_path:
+        _fail("trainer.resume_from_path", t.resume_from_path,
+              f"only read when trainer.resume_mode='resume_path' (it is {t.resume_mode!r}); set one or the other")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(n: int) -> str:
+    ds = [str(d) for d in _divisors(n)]
+    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# Layout validation
+# --------------------------------------------------------------------------------------------
+
+def _resolve_megatron(m: MegatronConfig, actor: MegatronConfig) -> MegatronConfig:
+    """A ref/critic/reward-model megatron section with null layout keys taken from the actor."""
+    out = copy.deepcopy(m)
+    for name in LAYOUT_KEYS:
+        if getattr(out, name) is None:
+            setattr(out, name, getattr(actor, name))
+    if out.expert_tensor_parallel_size is None:
+        out.expert_tensor_parallel_size = out.tensor_model_parallel_size
+    if out.params_dtype is None:  # the reference must see the actor's exact weights
+        out.params_dtype = actor.params_dtype
+    return out
+
+
+def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[int] = None,
+                    num_experts: Optional[int] = None) -> None:
+    """Check the Megatron layout against `world_size` (and the model shape once it is known).
+
+    num_experts: None = unknown, 0 = dense model. Raises ConfigError for the first violation.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}: must be a positive int (the number of ranks)")
+    p = "actor_rollout_ref.actor.megatron"
+    actor = _resolve_megatron(cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.actor.megatron)
+    tp, pp, cp = (actor.tensor_model_parallel_size, actor.pipeline_model_parallel_size,
+                  actor.context_parallel_size)
+    ep, etp, vpp = (actor.expert_model_parallel_size, actor.expert_tensor_parallel_size,
+                    actor.virtual_pipeline_model_parallel_size)
+    # TP x PP x CP must divide the world: check each factor against what the previous ones leave.
+    left, used = world_size, []
+    for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("context_parallel_size", cp)):
+        if left % size:
+            given = "".join(f" with {k}={v}" for k, v in used)
+            room = f" ({left} ranks left for it)" if used else ""
+            _fail(f"{p}.{name}", size, f"does not divide world size {world_size}{given}{room}; "
+                  f"use {_options(left)}")
+        left //= size
+        used.append((name, size))
+    # Megatron's expert grid (expert-DP x EP x ETP) covers the TP x CP x DP ranks of each PP stage.
+    stage = world_size // pp
+    if stage % etp:
+        _fail(f"{p}.expert_tensor_parallel_size", etp, f"does not divide world size {world_size} / "
+              f"pipeline_model_parallel_size {pp} = {stage} ranks per stage; use {_options(stage)}")
+    if stage % (ep * etp):
+        _fail(f"{p}.expert_model_parallel_size", ep,
+              f"expert_model_parallel_size x expert_tensor_parallel_size = {ep} x {etp} must divide world "
+              f"size {world_size} / pipeline_model_parallel_size {pp} = {stage}; use "
+              f"expert_model_parallel_size {_options(stage // etp)}")
+    if vpp is not None:
+        if pp < 2:
+            _fail(f"{p}.virtual_pipeline_model_parallel_size", vpp,
+                  "interleaving needs pipeline_model_parallel_size > 1; set it to null or raise PP")
+        if num_layers is not None and num_layers % (pp * vpp):
+            _fail(f"{p}.virtual_pipeline_model_parallel_size", vpp,
+                  f"the model's {num_layers} layers do not split into pipeline_model_parallel_size {pp} x "
+                  f"{vpp} chunks; choose PP x VPP dividing {num_layers}")
+    if num_layers is not None and num_layers % pp:
+        _fail(f"{p}.pipeline_model_parallel_size", pp,
+              f"the model's {num_layers} layers do not split evenly over {pp} stages; use a divisor of "
+              f"{num_layers} that divides world size {world_size}")
+    if num_experts is not None:
+        if num_experts == 0 and ep > 1:
+            _fail(f"{p}.expert_model_parallel_size", ep, "the model is dense (no experts); set it to 1")
+        if num_experts > 0 and num_experts % ep:
+            _fail(f"{p}.expert_model_parallel_size", ep,
+                  f"must divide the model's {num_experts} experts; use a divisor of {num_experts}")
+    for prefix, section in _megatron_sections(cfg):
+        resolved = _resolve_megatron(section, actor)
+        if section is not cfg.actor_rollout_ref.actor.megatron:
+            for name in LAYOUT_KEYS:  # one process-group layout per process: all models share it
+                if getattr(resolved, name) != getattr(actor, name):
+                    _fail(f"{prefix}.{name}", getattr(section, name),
+                          f"differs from {p}.{name}={getattr(actor, name)!r}; all models share the actor's "
+                          "Megatron layout: set it to null (same as the actor)")
+        if resolved.sequence_parallel and resolved.tensor_model_parallel_size < 2:
+            _fail(f"{prefix}.sequence_parallel", True, "needs tensor_model_parallel_size > 1 (it is "
+                  f"{resolved.tensor_model_parallel_size}); set sequence_parallel=false or raise TP")
+        if num_experts and tp > 1 and not resolved.sequence_parallel:
+            _fail(f"{prefix}.sequence_parallel", resolved.sequence_parallel,
+                  f"an MoE model ({num_experts} experts) with tensor_model_parallel_size={tp} needs "
+                  "sequence parallelism in Megatron; set sequence_parallel=true")
+    rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if world_size % rollout_tp:
+        _fail("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp,
+              f"does not divide world size {world_size}; use {_options(world_size)}")
+
+
+def _megatron_sections(cfg: TridentConfig) -> list[tuple[str, MegatronConfig]]:
+    return [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
+            ("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
+            ("critic.megatron", cfg.critic.megatron),
+            ("reward_model.megatron", cfg.reward_model.megatron)]
+
+
