@@ -3,9 +3,10 @@ engine under their HuggingFace names.
 
 `parallel.reshard` turns the training layout into full tensors bucket by bucket (Megatron names);
 here each bucket is renamed / split into HF tensors (`engine.models.weights.megatron_to_hf`)
-and handed to `rollout.update_weights`, then `finish_weight_update` closes the sync. Every rank
-calls it together (the resharding is collective); every rank's rollout engine gets the whole
-model.
+and handed to the rollout group (`engine.rollout.group.GroupedRollout.load_bucket`: inside each
+rollout group the members pass handles of their copy to the leader, whose engine loads them), then
+`finish_sync` closes the sync. Every rank calls it together (the resharding is collective). A bare
+`RolloutEngine` on every rank (tests, R = 1 without a group object) receives the whole model.
 
 Colocation: training and rollout share the device, so the rollout gives its memory back while
 training runs (`HybridEngine.to_training`) and takes it again before the weights are sent
@@ -51,20 +52,49 @@ def _to_hf(hf_config, bucket):
     return named
 
 
-def sync_weights(chunks, rollout: RolloutEngine, hf_config, bucket_megabytes: float = 512,
+class _Solo:
+    """A rollout engine on this rank alone, seen as a group of one."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def begin_sync(self):
+        self.engine.begin_weight_update()
+
+    def load_bucket(self, named):
+        self.engine.update_weights(named)
+
+    def finish_sync(self):
+        self.engine.finish_weight_update()
+
+    def release_memory(self, tags=None):
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags=None):
+        self.engine.resume_memory(tags)
+
+
+def as_group(rollout):
+    return _Solo(rollout) if isinstance(rollout, RolloutEngine) else rollout
+
+
+def sync_weights(chunks, rollout, hf_config, bucket_megabytes: float = 512,
                  plan: Optional[ReshardPlan] = None) -> SyncStats:
-    """Send every weight of the training `chunks` to `rollout` (collective over all ranks).
+    """Send every weight of the training `chunks` to `rollout` (collective over all ranks): a
+    `GroupedRollout`, or a `RolloutEngine` that every rank holds.
 
     `plan` (a `ReshardPlan.build(chunks)` kept from an earlier call) skips the metadata exchange.
     """
+    rollout = as_group(rollout)
     start = time.perf_counter()
     counter = MemoryCounter()
     sent = buckets = 0
+    rollout.begin_sync()
     for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan, counter=counter):
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        rollout.update_weights(_to_hf(hf_config, bucket))
+        rollout.load_bucket(_to_hf(hf_config, bucket))
         buckets += 1
-    rollout.finish_weight_update()
+    rollout.finish_sync()
     return SyncStats(bytes=sent, buckets=buckets, seconds=time.perf_counter() - start,
                      peak_bytes=counter.peak)
 
@@ -80,9 +110,9 @@ class HybridEngine:
     The reshard plan is built on the first sync and kept: the layout does not change.
     """
 
-    def __init__(self, chunks, rollout: RolloutEngine, hf_config, bucket_megabytes: float = 512):
+    def __init__(self, chunks, rollout, hf_config, bucket_megabytes: float = 512):
         _bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
-        self.chunks, self.rollout, self.hf_config = chunks, rollout, hf_config
+        self.chunks, self.rollout, self.hf_config = chunks, as_group(rollout), hf_config
         self.bucket_megabytes = bucket_megabytes
         self._plan: Optional[ReshardPlan] = None
 

@@ -95,7 +95,6 @@ def build(cfg, world_size) -> Components:
     from engine.config import derive
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
-    from engine.rollout.base import make_rollout
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
     from parallel.mesh import Layout, init_mesh
@@ -111,6 +110,12 @@ def build(cfg, world_size) -> Components:
                      ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
                      sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
+    from engine.config import validate_layout
+    from engine.models.arch import arch_spec
+    spec = arch_spec(hf_config)  # the shape checks that need the model: layers, experts, heads
+    validate_layout(cfg, world_size, num_layers=spec.transformer["num_layers"],
+                    num_experts=spec.num_experts or 0,
+                    num_attention_heads=hf_config.num_attention_heads)
     steps = cfg.trainer.total_training_steps
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     response_length = arr.rollout.response_length
@@ -131,9 +136,7 @@ def build(cfg, world_size) -> Components:
                 worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
-    rollout = make_rollout(arr.rollout.name, hf_config,
-                           [tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids),
-                           pad_token_id=pad, **_rollout_kwargs(cfg))
+    rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
@@ -152,15 +155,43 @@ def build(cfg, world_size) -> Components:
                                train_data, val_data, checkpoints, peak, reward_model)
 
 
-def _rollout_kwargs(cfg):
+def build_rollout(cfg, topology, hf_config, tokenizer):
+    """This rank's part of the rollout groups; the ranks the topology names build the engine."""
+    from megatron.core import parallel_state as ps
+
+    from engine.rollout.group import GroupedRollout
+    from engine.rollout.registry import backend_class, check_available, make_rollout
+
     r = cfg.actor_rollout_ref.rollout
-    record = dict(record_routing=True) if cfg.actor_rollout_ref.actor.router_replay else {}
+    check_available(r.name)
+    eos = [tokenizer.eos_token_id] + list(r.stop_token_ids)
+
+    def engine(placement):
+        return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement))
+    return GroupedRollout(topology, backend_class(r.name), engine, dp_rank=ps.get_data_parallel_rank())
+
+
+def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
+    r, arr = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref
+    record = dict(record_routing=True) if arr.actor.router_replay else {}
     if r.name == "sglang":
-        return dict(model_path=cfg.actor_rollout_ref.model.path,
-                    tensor_model_parallel_size=r.tensor_model_parallel_size,
+        return dict(model_path=arr.model.path or _config_dir(hf_config, tokenizer),
+                    dtype=arr.actor.megatron.params_dtype, placement=placement,
                     gpu_memory_utilization=r.gpu_memory_utilization,
-                    max_num_batched_tokens=r.max_num_batched_tokens, seed=r.seed, **record)
-    return record
+                    max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+                    seed=r.seed, **record)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return dict(pad_token_id=pad, **record)
+
+
+def _config_dir(hf_config, tokenizer):
+    """A model built from an inline config has no directory; SGLang needs one for its config and
+    tokenizer (the weights arrive through the hand-off: load_format='dummy')."""
+    import tempfile
+    path = tempfile.mkdtemp(prefix="trident-rollout-model-")
+    hf_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def main(argv=None):

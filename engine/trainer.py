@@ -3,8 +3,9 @@ advantages -> critic and actor updates -> weight sync; timing, metrics, checkpoi
 
 Every step of one iteration is a method taking and returning a `Batch`, so each can be run,
 timed and tested alone. Data parallelism splits a step's prompts by DP rank (all n responses
-of a prompt stay on one rank, so group advantages are local); generation is spread over every
-rank and gathered back, since on the CPU backend each rank holds a whole rollout model.
+of a prompt stay on one rank, so group advantages are local); generation is split over the
+rollout groups (one engine each, on the group's leader) and each DP replica receives exactly
+the responses it trains on (engine/rollout/group.py).
 """
 import contextlib
 import os
@@ -213,35 +214,26 @@ class Trainer:
         per = len(prompts) // self.dp
         return list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
 
-    def _rollout_generate(self, prompt_ids, sampling):
+    @staticmethod
+    def _engine_generate(engine, prompt_ids, sampling, keys):
         # the rollout engine runs no Megatron code, so on CPU it runs without parallel.cpu's
         # per-op device rewriting (a no-op elsewhere)
         with cpu_function_mode_suspended():
-            return self.rollout.generate(prompt_ids, sampling)
+            return engine.generate(prompt_ids, sampling, keys=keys)
 
     def generate(self, prompts, sampling, n=None, rows=None):
         """Responses for this DP rank's prompts as a training Batch (n per prompt, prompt-major).
 
-        Generation is spread over all ranks (each CPU rollout holds the whole model) and the
-        results gathered, so TP / PP ranks of a DP group do not generate the same thing twice.
+        Each rollout group's leader generates the group's share of the step's prompts and sends
+        every DP replica the responses of its own prompts (collective over all ranks).
         """
         n = sampling.n if n is None else n
-        total = len(prompts)
-        mine = list(range(self.rank, total, self.world))
-        out = self._rollout_generate([prompts.input_ids[i] for i in mine], sampling) if mine else None
-        gathered = [None] * self.world
-        payload = None if out is None else (mine, out.responses, out.log_probs, out.routed_experts)
-        dist.all_gather_object(gathered, payload)
-        responses, logps, routing = {}, {}, {}
-        for item in gathered:
-            if item is None:
-                continue
-            idx, resp, lps, routed = item
-            for k, p in enumerate(idx):
-                responses[p] = resp[k * n:(k + 1) * n]
-                logps[p] = lps[k * n:(k + 1) * n]
-                if routed is not None:  # MoE routing recorded for actor.router_replay
-                    routing[p] = routed[k * n:(k + 1) * n]
+        got = self.rollout.generate_for_replicas(list(prompts.input_ids), list(prompts.indices),
+                                                 sampling, generate=self._engine_generate)
+        self.route_bytes = self.rollout.route_bytes
+        responses = {i: v[0] for i, v in got.items()}
+        logps = {i: v[1] for i, v in got.items()}
+        routing = {i: v[2] for i, v in got.items() if v[2] is not None}
         rows = self._my_prompts(prompts) if rows is None else rows
         r = self.cfg.actor_rollout_ref.rollout
         prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
@@ -368,9 +360,9 @@ class Trainer:
         n = len(self.val_data)
         rows = [self.val_data[i] for i in range(n)]
         sampling = self._sampling(train=False)
-        mine = list(range(self.rank, n, self.world))
-        out = self._rollout_generate([rows[i]["input_ids"] for i in mine], sampling) if mine else None
-        scores = []
+        mine, out = self.rollout.generate_split([r["input_ids"] for r in rows], list(range(n)), sampling,
+                                                generate=self._engine_generate)
+        sums = defaultdict(lambda: [0.0, 0])  # data source -> [score sum, count] on this leader
         if out is not None:
             texts = self.tokenizer.batch_decode(
                 [r[:-1] if r and r[-1] in self.eos_ids else r for r in out.responses],
@@ -378,17 +370,19 @@ class Trainer:
             k = sampling.n
             for j, text in enumerate(texts):
                 row = rows[mine[j // k]]
-                scores.append((row["data_source"], self.reward_fn.score_texts(
-                    [text], [row["ground_truth"]], [row["data_source"]])[0]))
+                s = self.reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
+                sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)
+                sums[row["data_source"]][1] += 1
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, scores)
-        by_source = defaultdict(list)
+        dist.all_gather_object(gathered, dict(sums))  # a few numbers per rank
+        total = defaultdict(lambda: [0.0, 0])
         for part in gathered:
-            for source, s in part:
-                by_source[source].append(float(s["score"] if isinstance(s, dict) else s))
-        metrics = {f"val/{src}/score/mean": float(np.mean(v)) for src, v in by_source.items()}
-        every = [s for v in by_source.values() for s in v]
-        metrics["val/score/mean"] = float(np.mean(every))
+            for source, (value, count) in part.items():
+                total[source][0] += value
+                total[source][1] += count
+        metrics = {f"val/{src}/score/mean": v / c for src, (v, c) in total.items()}
+        metrics["val/score/mean"] = (sum(v for v, _ in total.values())
+                                     / max(1, sum(c for _, c in total.values())))
         self.hybrid.to_training()
         return metrics
 

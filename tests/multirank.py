@@ -13,6 +13,9 @@ megatron's model-parallel state is reset before each call.
 """
 import atexit
 import multiprocessing as mp
+# imported before our atexit hook is registered: its own exit hook joins non-daemon children,
+# so it must run after ours (atexit is last-in, first-out) or an idle pool blocks the exit
+import multiprocessing.util  # noqa: F401
 import os
 import socket
 import traceback

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
-from engine.rollout.base import SamplingParams, make_rollout
+from engine.rollout.base import SamplingParams
+from engine.rollout.registry import make_rollout
 from engine.rollout.cpu import CPURollout
 
 EOS = 1

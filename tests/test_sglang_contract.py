@@ -119,7 +119,45 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
                        if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"meta_info key {k!r} is never written by the tokenizer manager"
                  for k in used_api["meta_info"] if k not in manager_strings]
+    for module, names in used_api["imports"].items():
+        defined = module_names(src, module)
+        if defined is None:
+            problems.append(f"module {module} does not exist")
+            continue
+        problems += [f"{module} has no {n!r}" for n in names if n not in defined]
+    lst = src.class_def("sglang/srt/model_executor/model_runner_components/weight_updater.py",
+                        "LocalSerializedTensor")
+    problems += [f"LocalSerializedTensor has no field {k!r}" for k in used_api["LocalSerializedTensor"]
+                 if k not in struct_fields(lst)]
+    constants = {n.value for n in ast.walk(src.tree("sglang/srt/constants.py"))
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    problems += [f"memory tag {k!r} is not one of sglang's GPU memory types"
+                 for k in used_api["memory_tags"] if k not in constants]
+    engine_strings = {n.value for n in ast.walk(src.tree(ENGINE))
+                      if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    problems += [f"environment variable {k!r} is never read by the engine"
+                 for k in used_api["env"] if k not in engine_strings]
     return problems
+
+
+def module_names(src: SglangSource, module: str):
+    """Top-level names a module defines or imports (None when the module is not in the wheel)."""
+    base = module.replace(".", "/")
+    for path in (base + ".py", base + "/__init__.py"):
+        try:
+            tree = src.tree(path)
+        except KeyError:
+            continue
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        return names
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +176,22 @@ def test_checker_catches_wrong_names(source):
     broken["ServerArgs"].append("gpu_memory_utilization")
     broken["SamplingParams"].append("seed")
     broken["meta_info"].append("output_logprobs")
+    broken["imports"]["sglang.srt.utils.common"].append("LocalSerializedTensor")
+    broken["imports"]["sglang.srt.weight_sync.nowhere"] = ["x"]
+    broken["LocalSerializedTensor"].append("tensors")
+    broken["memory_tags"].append("kvcache")
+    broken["env"].append("SGLANG_BLOCK_NONZERO_CHILDREN")
     problems = contract_problems(source, broken)
     assert problems == ["Engine.generate has no parameter 'return_log_prob'",
                         "Engine.update_weights_from_tensors does not exist",
                         "ServerArgs has no field 'gpu_memory_utilization'",
                         "SamplingParams has no field 'seed'",
-                        "meta_info key 'output_logprobs' is never written by the tokenizer manager"]
+                        "meta_info key 'output_logprobs' is never written by the tokenizer manager",
+                        "sglang.srt.utils.common has no 'LocalSerializedTensor'",
+                        "module sglang.srt.weight_sync.nowhere does not exist",
+                        "LocalSerializedTensor has no field 'tensors'",
+                        "memory tag 'kvcache' is not one of sglang's GPU memory types",
+                        "environment variable 'SGLANG_BLOCK_NONZERO_CHILDREN' is never read by the engine"]
 
 
 def test_server_args_fields_are_read_from_the_namespaces(source):
@@ -156,9 +204,12 @@ def test_adapter_builds_exactly_the_declared_arguments():
     from engine.rollout.base import SamplingParams
     from engine.rollout.sglang import engine_kwargs, parse_result, sampling_dict
 
-    kwargs = engine_kwargs("/m", "bfloat16", "dummy", 2, 0.6, 4096, 0, False, False)
+    placement = dict(nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:4000")
+    kwargs = engine_kwargs("/m", "bfloat16", "dummy", 16, 0.6, 4096, 0, False, False, max_num_seqs=256,
+                           base_gpu_id=0, placement=placement)
     assert sorted(kwargs) == sorted(USED_API["ServerArgs"])
-    assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
+    assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 16
+    assert kwargs["max_running_requests"] == 256 and kwargs["node_rank"] == 1
     assert kwargs["chunked_prefill_size"] == 4096 and kwargs["enable_memory_saver"] is True
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
         engine_kwargs("/m", "bfloat16", "dummy", 1, 1.5, 4096, 0, False, False)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.config.schema import TridentConfig
-from engine.config.validate import _fail, _options, _resolve_megatron, validate, validate_layout
+from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_topology_of,
+                                    sglang_test_double, validate, validate_layout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -47,6 +48,7 @@ class Derived:
     use_reference: bool  # a KL term (loss or in-reward) needs reference log-probs
     actor: BatchPlan
     critic: Optional[BatchPlan]
+    rollout_topology: Any = None  # engine.rollout.topology.RolloutTopology: engines, leaders, GPUs
 
 
 def total_training_steps(cfg: TridentConfig, dataset_len: int) -> int:
@@ -89,7 +91,7 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
         trainer.device = "cuda" if cuda_available else "cpu"
     if rollout.name == "auto":
         rollout.name = "sglang" if trainer.device == "cuda" else "cpu"
-    if rollout.name == "sglang" and trainer.device == "cpu":
+    if rollout.name == "sglang" and trainer.device == "cpu" and not sglang_test_double():
         _fail("actor_rollout_ref.rollout.name", "sglang", "SGLang needs a GPU but no CUDA device is available; "
               "use rollout.name=cpu")
 
@@ -158,7 +160,8 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
         use_critic=critic.enable,
         use_reference=actor.use_kl_loss or out.algorithm.use_kl_in_reward,
         actor=_batch_plan(actor, "actor_rollout_ref.actor", out, layout.dp),
-        critic=_batch_plan(critic, "critic", out, layout.dp) if critic.enable else None)
+        critic=_batch_plan(critic, "critic", out, layout.dp) if critic.enable else None,
+        rollout_topology=rollout_topology_of(out, world_size))
 
 
 def _batch_plan(section: Any, p: str, cfg: TridentConfig, dp: int) -> BatchPlan:

@@ -95,65 +95,77 @@ class RolloutOutput:
         return {"responses": ids, "response_mask": mask, "rollout_log_probs": logp}
 
 
+ROLLOUT_BACKENDS: dict[str, type] = {}  # rollout.name -> engine class (engine/rollout/registry.py)
+
+
+def register_rollout(name: str):
+    """Class decorator: the backend `actor_rollout_ref.rollout.name=<name>` selects."""
+    def add(cls):
+        ROLLOUT_BACKENDS[name] = cls
+        cls.name = name
+        return cls
+    return add
+
+
 class RolloutEngine(ABC):
-    """Generates responses with weights streamed in from the trainer."""
+    """Generates responses with weights streamed in from the trainer.
+
+    One engine serves one rollout group (engine/rollout/topology.py); it lives on the group's
+    leader. Backends whose workers read every group member's own copy of a weight bucket set
+    `SHARES_BUCKETS`: each member calls `share_bucket` on its copy, the leader passes the
+    gathered handles to `update_weights_from_shared`; the others load the leader's copy with
+    `update_weights`.
+    """
+
+    name = "?"
+    SHARES_BUCKETS = False
+    NEEDS_CUDA = False
+
+    @staticmethod
+    def share_bucket(named_tensors):
+        raise NotImplementedError
+
+    def update_weights_from_shared(self, per_rank) -> None:
+        raise NotImplementedError
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full tensors named as in the HF checkpoint."""
+
+    def begin_weight_update(self) -> None:
+        """Open a weight sync (before its first bucket)."""
 
     @abstractmethod
     def finish_weight_update(self) -> None:
         """Close a weight sync: check every weight was sent, flush cached KV."""
 
     @abstractmethod
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutOutput:
-        """Sample ``sampling.n`` responses for each prompt (token ids, no padding)."""
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+        """Sample ``sampling.n`` responses for each prompt (token ids, no padding).
+
+        ``keys`` (one int per prompt, e.g. its dataset index) make sampling a function of the
+        prompt rather than of its place in the batch, so any grouping of prompts over engines
+        draws the same responses for the same seed (where the backend supports it)."""
 
     @abstractmethod
-    def release_memory(self) -> None:
-        """Free weights and KV cache so training can use the memory."""
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Free weights and KV cache (or only the `tags` given: 'weights', 'kv_cache')."""
 
     @abstractmethod
-    def resume_memory(self) -> None:
-        """Take the memory back; weights must be re-sent before the next generate."""
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take the memory back (all, or `tags`); weights must be re-sent after 'weights'."""
 
     def shutdown(self) -> None:
         """Stop background processes, if any."""
 
     def sync_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> None:
         """One full weight sync: every bucket, then ``finish_weight_update``."""
+        self.begin_weight_update()
         for bucket in buckets:
             self.update_weights(bucket)
         self.finish_weight_update()
 
 
-ROLLOUT_NAMES = ("cpu", "sglang", "auto")
-
-
 def sglang_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
-
-
-def make_rollout(name: str, hf_config, eos_token_ids: Sequence[int], **cfg) -> RolloutEngine:
-    """Build the rollout backend ``actor_rollout_ref.rollout.name``.
-
-    'cpu' -> :class:`CPURollout`; 'sglang' -> :class:`SGLangRollout` (needs CUDA, the
-    ``sglang`` package and ``model_path=`` in ``cfg``); 'auto' picks sglang when both are
-    present, else cpu. ``cfg`` goes to the backend's constructor.
-    """
-    if name not in ROLLOUT_NAMES:
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is unknown; use one of {ROLLOUT_NAMES}")
-    if name == "auto":
-        name = "sglang" if sglang_available() else "cpu"
-    if name == "cpu":
-        from engine.rollout.cpu import CPURollout
-        return CPURollout(hf_config, eos_token_ids=eos_token_ids, **cfg)
-    if not torch.cuda.is_available():
-        raise ValueError("actor_rollout_ref.rollout.name='sglang' needs a CUDA GPU and none is visible; "
-                         "use name='cpu' (or 'auto') on this machine")
-    if importlib.util.find_spec("sglang") is None:
-        raise ValueError("actor_rollout_ref.rollout.name='sglang' needs the sglang package; "
-                         "install it with `pip install -e .[gpu]` or use name='cpu'")
-    from engine.rollout.sglang import SGLangRollout
-    return SGLangRollout(hf_config, eos_token_ids=eos_token_ids, **cfg)

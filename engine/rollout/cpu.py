@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput,
-                                 SamplingParams)
+                                 SamplingParams, register_rollout)
 
 
 @contextlib.contextmanager
@@ -75,6 +75,20 @@ def _checkpoint_slots(model_type: str, param_name: str, shape: torch.Size) -> li
     return slots
 
 
+def _row_uniforms(sampling: SamplingParams, keys: list) -> torch.Tensor:
+    """[rows, max_new_tokens] uniforms; row (prompt key k, sample j) draws from its own stream
+    seeded by (seed, k, j), so the same prompt samples the same way in any batch."""
+    base = sampling.seed if sampling.seed is not None else int(torch.seed())
+    out = torch.empty(len(keys) * sampling.n, sampling.max_new_tokens, dtype=torch.float64)
+    generator = torch.Generator()
+    for i, key in enumerate(keys):
+        for j in range(sampling.n):
+            generator.manual_seed(hash((base, int(key), j)) & ((1 << 63) - 1))
+            torch.rand(sampling.max_new_tokens, generator=generator, dtype=torch.float64,
+                       out=out[i * sampling.n + j])
+    return out
+
+
 def _return_freed_memory_to_os():
     try:  # glibc keeps freed heap pages unless asked; without this RSS would not drop
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -112,6 +126,7 @@ def _preallocated_cache(config, capacity: int):
     return cache
 
 
+@register_rollout("cpu")
 class CPURollout(RolloutEngine):
     """Rollout on CPU with a transformers causal LM built from ``hf_config``.
 
@@ -199,15 +214,17 @@ class CPURollout(RolloutEngine):
                              f"send every weight (tied lm_head / embed_tokens under either name) before finishing")
         self._weights_ready = True
 
-    def release_memory(self) -> None:
+    def release_memory(self, tags=None) -> None:
+        if tags is not None and "weights" not in tags:
+            return  # the KV cache lives only inside generate()
         self._set_storage("meta")
         self._allocated = False
         self._weights_ready = False
         self._missing = set(self._slot_ids.values())
         _return_freed_memory_to_os()
 
-    def resume_memory(self) -> None:
-        if not self._allocated:
+    def resume_memory(self, tags=None) -> None:
+        if not self._allocated and (tags is None or "weights" in tags):
             self._set_storage("cpu")
             self._allocated = True
 
@@ -264,7 +281,8 @@ class CPURollout(RolloutEngine):
         return scaled
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 keys: Optional[Sequence[int]] = None) -> RolloutOutput:
         if not self._weights_ready:
             raise RuntimeError("CPURollout.generate: no weights loaded; call update_weights(...) for every "
                                "bucket and then finish_weight_update() (again after each resume_memory())")
@@ -281,8 +299,8 @@ class CPURollout(RolloutEngine):
             attention_mask[r, width - len(p):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        generator = torch.Generator()
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        uniforms = None if sampling.greedy else _row_uniforms(
+            sampling, list(range(len(prompt_ids))) if keys is None else list(keys))
         stop = set() if sampling.ignore_eos else set(self.eos_token_ids) | set(sampling.stop_token_ids)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
         temperature = 1.0 if sampling.greedy else sampling.temperature
@@ -302,8 +320,11 @@ class CPURollout(RolloutEngine):
                 if sampling.greedy:
                     tokens = scaled.argmax(-1)
                 else:
-                    probs = self._filtered(scaled, sampling).softmax(-1)
-                    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                    # inverse CDF with each row's own uniform: a row's draw does not depend on
+                    # which other rows share the batch
+                    cdf = self._filtered(scaled, sampling).softmax(-1).cumsum(-1)
+                    u = (uniforms[:, step:step + 1].to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
+                    tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
                 token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
                 # one conversion per step, not one per row and value
                 for r, alive, t, lp in zip(range(rows), (~finished).tolist(), tokens.tolist(),

@@ -16,7 +16,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from engine.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams
+from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
+                                 register_rollout)
 
 SGLANG_VERSION = "0.5.21"
 
@@ -26,35 +27,55 @@ USED_API = {
         "__init__": [],  # takes **kwargs, turned into ServerArgs(**kwargs)
         "generate": ["input_ids", "sampling_params", "return_logprob", "return_routed_experts"],
         "update_weights_from_tensor": ["named_tensors", "flush_cache"],
+        "begin_weight_update": [],
+        "end_weight_update": [],
         "flush_cache": [],
-        "release_memory_occupation": [],
-        "resume_memory_occupation": [],
+        "release_memory_occupation": ["tags"],
+        "resume_memory_occupation": ["tags"],
         "shutdown": [],
     },
     # ServerArgs fields passed as sglang.Engine(**kwargs)
     "ServerArgs": ["model_path", "dtype", "load_format", "tp_size", "mem_fraction_static",
-                   "chunked_prefill_size", "enable_memory_saver", "random_seed",
-                   "enable_deterministic_inference", "enable_return_routed_experts"],
+                   "chunked_prefill_size", "max_running_requests", "enable_memory_saver", "random_seed",
+                   "enable_deterministic_inference", "enable_return_routed_experts",
+                   # placement (engine/rollout/topology.py)
+                   "base_gpu_id", "nnodes", "node_rank", "dist_init_addr"],
     # keys of the per-request sampling_params dict (fields of sglang's SamplingParams)
     "SamplingParams": ["n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids",
                        "sampling_seed", "ignore_eos"],
     # keys read from each result's meta_info
     "meta_info": ["output_token_logprobs", "finish_reason", "routed_experts"],
+    # module -> names imported from it (the weight hand-off inside a rollout group)
+    "imports": {
+        "sglang.srt.utils.common": ["MultiprocessingSerializer"],
+        "sglang.srt.utils.patch_torch": ["monkey_patch_torch_reductions"],
+        "sglang.srt.model_executor.model_runner_components.weight_updater": ["LocalSerializedTensor"],
+    },
+    # LocalSerializedTensor(values=[one handle per TP rank])
+    "LocalSerializedTensor": ["values"],
+    # memory tags of release / resume_memory_occupation (sglang/srt/constants.py)
+    "memory_tags": ["weights", "kv_cache", "cuda_graph"],
+    # environment read by Engine: "0" lets a multi-node engine's node_rank >= 1 return
+    "env": ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"],
 }
 
 
 def engine_kwargs(model_path: str, dtype: str, load_format: str, tensor_model_parallel_size: int,
                   gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int,
-                  enable_deterministic_inference: bool, record_routing: bool) -> dict:
-    """verl's rollout config -> sglang ServerArgs (the keys are USED_API['ServerArgs'])."""
+                  enable_deterministic_inference: bool, record_routing: bool, max_num_seqs: int = 1024,
+                  base_gpu_id: int = 0, placement: Optional[dict] = None) -> dict:
+    """verl's rollout config + the topology's placement -> sglang ServerArgs (USED_API['ServerArgs'])."""
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization} "
                          f"must be in (0, 1): the fraction of GPU memory for weights + KV cache")
-    return dict(model_path=model_path, dtype=dtype, load_format=load_format,
-                tp_size=tensor_model_parallel_size, mem_fraction_static=gpu_memory_utilization,
-                chunked_prefill_size=max_num_batched_tokens, enable_memory_saver=True, random_seed=seed,
-                enable_deterministic_inference=enable_deterministic_inference,
-                enable_return_routed_experts=record_routing)
+    out = dict(model_path=model_path, dtype=dtype, load_format=load_format,
+               tp_size=tensor_model_parallel_size, mem_fraction_static=gpu_memory_utilization,
+               chunked_prefill_size=max_num_batched_tokens, max_running_requests=max_num_seqs,
+               enable_memory_saver=True, random_seed=seed,
+               enable_deterministic_inference=enable_deterministic_inference,
+               enable_return_routed_experts=record_routing, base_gpu_id=base_gpu_id)
+    out.update(placement or {})
+    return out
 
 
 def sampling_dict(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> dict:
@@ -96,16 +117,29 @@ def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = N
     return tokens, logps, finish, routed
 
 
+@register_rollout("sglang")
 class SGLangRollout(RolloutEngine):
-    """Rollout through ``sglang.Engine`` (needs CUDA and sglang==0.5.21)."""
+    """Rollout through ``sglang.Engine`` (needs CUDA and sglang==0.5.21).
+
+    One per rollout group, on the group's leader (``engine_fields`` of the topology give
+    ``tp_size`` / ``base_gpu_id`` and, for an engine spanning nodes, ``nnodes`` / ``node_rank`` /
+    ``dist_init_addr``). On a multi-node engine the group's first rank on every other node builds
+    one with its ``node_rank``: it only starts that node's scheduler processes and is never called.
+    """
+
+    SHARES_BUCKETS = True
+    NEEDS_CUDA = True
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), model_path: Optional[str] = None,
                  dtype: str = "bfloat16", load_format: str = "dummy", tensor_model_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, seed: int = 0,
-                 enable_deterministic_inference: bool = False, record_routing: bool = False, **extra_server_args):
+                 enable_deterministic_inference: bool = False, record_routing: bool = False,
+                 max_num_seqs: int = 1024, placement: Optional[dict] = None, **extra_server_args):
         if model_path is None:
             raise ValueError("SGLangRollout needs model_path= (a directory with the HF config and tokenizer; "
                              "with load_format='dummy' the weights come from update_weights)")
+        import os
+
         import sglang  # lazy: GPU-only dependency
 
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
@@ -114,19 +148,58 @@ class SGLangRollout(RolloutEngine):
         if record_routing and self.routing_top_k is None:
             raise ValueError("record_routing=True needs a MoE hf_config with num_experts_per_tok; "
                              "set record_routing=False for dense models")
-        kwargs = engine_kwargs(model_path, dtype, load_format, tensor_model_parallel_size, gpu_memory_utilization,
-                               max_num_batched_tokens, seed, enable_deterministic_inference, record_routing)
+        placement = dict(placement or {})
+        tp = placement.pop("tp_size", tensor_model_parallel_size)
+        kwargs = engine_kwargs(model_path, dtype, load_format, tp, gpu_memory_utilization,
+                               max_num_batched_tokens, seed, enable_deterministic_inference, record_routing,
+                               max_num_seqs=max_num_seqs, base_gpu_id=placement.pop("base_gpu_id", 0),
+                               placement=placement)
+        self.serves = kwargs.get("node_rank", 0) == 0
+        if not self.serves:  # node_rank >= 1 of a multi-node engine: start, do not block
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         self.engine = sglang.Engine(**kwargs, **extra_server_args)
 
+    # -- weights ---------------------------------------------------------------------------
+    @staticmethod
+    def share_bucket(named_tensors):
+        """(name, CUDA IPC handle) of each tensor on this rank's GPU: no copy. The tensor must
+        stay alive (and unchanged) until the leader's load returns (the group waits at a barrier)."""
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()  # handles name the GPU by UUID, not by visible index
+        if any(t.is_cuda for _, t in named_tensors):
+            torch.cuda.current_stream().synchronize()  # the bucket's broadcasts have landed
+        return [(name, MultiprocessingSerializer.serialize(t.detach())) for name, t in named_tensors]
+
+    def update_weights_from_shared(self, per_rank) -> None:
+        """One load call for the group: TP worker j reads the tensor of the group's rank j."""
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        names = [n for n, _ in per_rank[0]]
+        for j, part in enumerate(per_rank):
+            if [n for n, _ in part] != names:
+                raise RuntimeError(f"rollout group rank {j} shared other tensors than rank 0 for this bucket; "
+                                   f"every rank must stream the same buckets")
+        named = [(name, LocalSerializedTensor(values=[part[i][1] for part in per_rank]))
+                 for i, name in enumerate(names)]
+        self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.engine.update_weights_from_tensor(named_tensors=list(named_tensors), flush_cache=False)
+        self.update_weights_from_shared([self.share_bucket(list(named_tensors))])
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
 
     def finish_weight_update(self) -> None:
         # sglang loads whatever names it is given and cannot tell whether a sync was complete;
         # the CPU backend's test checks the names the trainer streams
+        self.engine.end_weight_update()
         self.engine.flush_cache()
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutOutput:
+    # -- generation ------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 keys: Optional[Sequence[int]] = None) -> RolloutOutput:
         prompts = [list(p) for p in prompt_ids]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: prompt_ids must be a non-empty list of non-empty token id lists")
@@ -140,11 +213,12 @@ class SGLangRollout(RolloutEngine):
                              log_probs=[p[1] for p in parsed], finish_reasons=[p[2] for p in parsed],
                              routed_experts=[p[3] for p in parsed] if self.record_routing else None)
 
-    def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+    # -- memory ----------------------------------------------------------------------------
+    def release_memory(self, tags=None) -> None:
+        self.engine.release_memory_occupation(tags=None if tags is None else list(tags))
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory_occupation()
+    def resume_memory(self, tags=None) -> None:
+        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

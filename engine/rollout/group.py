@@ -1,0 +1,186 @@
+"""Rollout groups at run time: the one engine of each group, the weight hand-off inside a group,
+and generation results routed to the DP replicas that train on them.
+
+Every rank holds a `GroupedRollout`; only the ranks `RolloutTopology.builds_engine` names hold a
+backend engine (the group leader serves; on a multi-node engine the first rank of every other
+node only starts that node's engine processes). The process groups it uses are built once, in
+`__init__` (a collective over all ranks).
+
+Hand-off of one bucket of full tensors (every rank of the world has materialised it on its own
+device, `parallel.reshard`): backends whose TP workers read each rank's copy (SGLang over CUDA
+IPC: `share_bucket`) gather the members' handles to the leader, which makes one load call; the
+group then waits at a barrier so no member frees its bucket while a worker still reads it. The
+CPU backend's leader simply loads its own copy.
+
+Routing: `topology.route_plan` gives each group a share of the step's prompts and each DP
+replica its training shard; a leader sends each replica's first rank (its relay) only the
+responses that replica trains on, and the relay broadcasts them inside the replica. Bytes per
+rank therefore follow its own data, not world x batch (`route_bytes` counts them).
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.rollout.base import RolloutEngine, SamplingParams
+from engine.rollout.topology import RolloutTopology, replicas_of, route_plan, split_evenly
+
+
+def _send(obj, dst) -> tuple[list, int]:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long)
+    return [dist.isend(size, dst), dist.isend(data, dst)], [size, data], data.numel()
+
+
+def _recv(src):
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(data, src)
+    return pickle.loads(data.numpy().tobytes()), int(size)
+
+
+class GroupedRollout:
+    """This rank's part of the rollout: its group, its engine (if it builds one), the routes.
+
+    `engine_factory(fields)` builds this rank's backend engine from the topology's placement
+    fields (called only on ranks that build one); `backend` is the backend class (its
+    `SHARES_BUCKETS` / `share_bucket` are used on every rank of a group).
+    """
+
+    def __init__(self, topology: RolloutTopology, backend: type, engine_factory, dp_rank: int):
+        self.topology, self.backend = topology, backend
+        self.rank = dist.get_rank()
+        self.group = topology.group_of(self.rank)
+        self.is_leader = self.group.leader == self.rank
+        # process groups, built once and in the same order on every rank (gloo: object traffic)
+        self._group_pg = None
+        for g in topology.groups:
+            pg = dist.new_group(list(g.ranks), backend="gloo") if g.tp > 1 else None
+            if g is self.group:
+                self._group_pg = pg
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, dp_rank)
+        self.replicas = replicas_of(every)
+        self.dp_rank = dp_rank
+        self._replica_pg = None
+        for ranks in self.replicas:
+            pg = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self._replica_pg = pg
+        self.route_bytes = 0  # bytes this rank sent + received routing the last generation
+        addr = self._dist_init_addr() if self.group.nnodes > 1 else None
+        self.engine: Optional[RolloutEngine] = None
+        if topology.builds_engine(self.rank):
+            self.engine = engine_factory(topology.engine_fields(self.rank, addr))
+
+    # -- placement -------------------------------------------------------------------------
+    def _dist_init_addr(self) -> str:
+        """host:port of the leader, shared with its group (a multi-node engine meets there)."""
+        import socket
+        obj = [None]
+        if self.is_leader:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            obj = [f"{socket.gethostbyname(socket.gethostname())}:{port}"]
+        dist.broadcast_object_list(obj, src=self.group.leader, group=self._group_pg)
+        return obj[0]
+
+    # -- weights ---------------------------------------------------------------------------
+    def load_bucket(self, named_tensors: list) -> None:
+        """Collective within the group: one bucket of full HF-named tensors into the engine."""
+        if self.backend.SHARES_BUCKETS and self.group.tp > 1:
+            mine = self.backend.share_bucket(named_tensors)
+            gathered = [None] * self.group.tp if self.is_leader else None
+            dist.gather_object(mine, gathered, dst=self.group.leader, group=self._group_pg)
+            if self.is_leader:
+                self.engine.update_weights_from_shared(gathered)
+            dist.barrier(group=self._group_pg)  # members keep the bucket until it was read
+        elif self.backend.SHARES_BUCKETS:
+            self.engine.update_weights_from_shared([self.backend.share_bucket(named_tensors)])
+        elif self.is_leader:
+            self.engine.update_weights(named_tensors)
+
+    def begin_sync(self) -> None:
+        if self.is_leader:
+            self.engine.begin_weight_update()
+
+    def finish_sync(self) -> None:
+        if self.is_leader:
+            self.engine.finish_weight_update()
+
+    # -- memory ----------------------------------------------------------------------------
+    def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.is_leader:
+            self.engine.release_memory(tags)
+
+    def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
+        if self.is_leader:
+            self.engine.resume_memory(tags)
+
+    # -- generation ------------------------------------------------------------------------
+    def generate_for_replicas(self, prompt_ids: list, keys: list, sampling: SamplingParams,
+                              generate=None) -> dict:
+        """{prompt index: (responses, log_probs, routed or None)} (n samples each) for the
+        prompts of this rank's DP replica. Collective over all ranks.
+
+        `generate(engine, prompt_ids, sampling, keys)` runs the engine (the trainer passes one
+        that leaves parallel.cpu's per-op device mode)."""
+        plan = route_plan(len(prompt_ids), len(self.topology.groups), len(self.replicas))
+        n = sampling.n
+        produced = {}
+        mine = plan.generate[self.group.index]
+        if self.is_leader and len(mine):
+            run = generate or (lambda e, p, s, k: e.generate(p, s, keys=k))
+            out = run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
+            routed = out.routed_experts
+            for k, i in enumerate(mine):
+                rows = slice(k * n, (k + 1) * n)
+                produced[i] = (out.responses[rows], out.log_probs[rows],
+                               None if routed is None else routed[rows])
+        moved, pending, keep = 0, [], []
+        if self.is_leader:
+            for d, prompts in plan.sends(self.group.index):
+                relay = self.replicas[d][0]
+                if relay != self.rank:
+                    reqs, bufs, size = _send({i: produced[i] for i in prompts}, relay)
+                    pending += reqs
+                    keep += bufs
+                    moved += size
+        result = {}
+        relay = self.replicas[self.dp_rank][0]
+        if relay == self.rank:
+            for g, prompts in plan.receives(self.dp_rank):
+                leader = self.topology.groups[g].leader
+                if leader == self.rank:
+                    result.update({i: produced[i] for i in prompts})
+                else:
+                    part, size = _recv(leader)
+                    result.update(part)
+                    moved += size
+        for req in pending:
+            req.wait()
+        if self._replica_pg is not None:
+            box = [result if relay == self.rank else None]
+            dist.broadcast_object_list(box, src=relay, group=self._replica_pg)
+            result = box[0]
+            moved += len(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        self.route_bytes = moved
+        return result
+
+    def generate_split(self, prompt_ids: list, keys: list, sampling: SamplingParams, generate=None):
+        """Validation: each leader generates its group's share; returns (indices, RolloutOutput)
+        on leaders, (indices, None) elsewhere. Not collective."""
+        mine = split_evenly(len(prompt_ids), len(self.topology.groups))[self.group.index]
+        if not (self.is_leader and len(mine)):
+            return list(mine), None
+        run = generate or (lambda e, p, s, k: e.generate(p, s, keys=k))
+        return list(mine), run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -1,0 +1,1 @@
+from sglang.srt.utils.common import MultiprocessingSerializer  # noqa: F401
