@@ -88,3 +88,22 @@ def test_replicas_from_dp_ranks():
     # TP 2 x DP 2 (Megatron puts TP neighbours next to each other)
     assert replicas_of([0, 0, 1, 1]) == ((0, 1), (2, 3))
     assert replicas_of([0, 1, 0, 1]) == ((0, 2), (1, 3))
+
+
+def test_plan_prints_and_writes_the_rollout_layout(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "plan.py"),
+                           os.path.join(root, "recipes", "deepseek_v3_671b_grpo.yaml"), "--gpus", "256",
+                           "--gpu-mem", "141", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rollout: 16 sglang engine(s) x 16 GPU(s) (TP 16), 2 node(s) per engine" in proc.stdout
+    rollout = json.loads(out.read_text())["rollout"]
+    assert (rollout["engines"], rollout["gpus_per_engine"], rollout["nodes_per_engine"]) == (16, 16, 2)
+    # 671B bf16 parameters over 16 GPUs, the KV cache in the rest of SGLang's share
+    assert 75 < rollout["weights_per_gpu"] < 80 and rollout["kv_cache_per_gpu"] > 0

@@ -322,12 +322,36 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
     rollout_share = arr.rollout.gpu_memory_utilization * gpu_mem_gib * GIB if device == "cuda" else 0.0
     rollout_phase = rollout_share + sum(resident(n) for n in models)
     free = capacity - max(training, rollout_phase)
-    return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib,
+    rollout = rollout_plan(c, world_size, shape, rollout_share, device)
+    if device == "cuda" and rollout["kv_cache_per_gpu"] <= 0:
+        free = min(free, rollout["kv_cache_per_gpu"])  # the weights alone overflow SGLang's share
+    return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib, rollout=rollout,
                 layout=dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                             dp=lay.dp, expert_dp=lay.expert_dp,
                             sequence_parallel=bool(arr.actor.megatron.sequence_parallel)),
                 models=models, training_peak=training, rollout_share=rollout_share,
                 rollout_phase=rollout_phase, capacity=capacity, free=free, fits=free >= 0)
+
+
+def total_params(s: Shape) -> int:
+    """Every parameter of the model (one rank of a 1-GPU layout)."""
+    dense, expert = stage_params(s, 1, 1, 1, 1, 0)
+    return dense + expert
+
+
+def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: str) -> dict:
+    """The rollout engines (engine/rollout/topology.py) and what each GPU holds for them:
+    the model's weights split over the engine's R GPUs, and SGLang's KV cache in the rest of
+    its share (gpu_memory_utilization x GPU memory)."""
+    from engine.config.validate import rollout_topology_of
+
+    topo = rollout_topology_of(cfg, world_size, num_attention_heads=s.a)
+    r = cfg.actor_rollout_ref.rollout
+    weights = total_params(s) * DTYPE_BYTES[cfg.actor_rollout_ref.actor.megatron.params_dtype] / topo.tp
+    out = dict(topo.summary(), backend=r.name, weights_per_gpu=weights,
+               kv_cache_per_gpu=(rollout_share - weights) if device == "cuda" else 0.0)
+    out.pop("groups")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,6 +445,19 @@ def _gib(x):
     return f"{x / GIB:8.2f} GiB"
 
 
+_BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "total", "training_peak", "rollout_share",
+              "rollout_phase", "capacity", "free", "weights_per_gpu", "kv_cache_per_gpu")
+
+
+def _in_gib(value, key=None):
+    """The estimate as JSON: byte figures in GiB (the keys in _BYTE_KEYS)."""
+    if isinstance(value, dict):
+        return {k: _in_gib(v, k) for k, v in value.items()}
+    if key in _BYTE_KEYS:
+        return round(value / GIB, 4)
+    return value
+
+
 def _report(e):
     lay = e["layout"]
     lines = [f"layout: TP={lay['tp']} PP={lay['pp']} VPP={lay['vpp']} CP={lay['cp']} EP={lay['ep']} "
@@ -431,6 +468,10 @@ def _report(e):
                      f"(experts {m['expert_params'] / 1e9:.3f} B)  weights {_gib(m['weights'])}  "
                      f"grads {_gib(m['grads'])}  optimizer {_gib(m['optimizer'])}  "
                      f"activations {_gib(m['activations'])}")
+    r = e["rollout"]
+    lines.append(f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
+                 f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: "
+                 f"weights {_gib(r['weights_per_gpu'])}  KV cache {_gib(r['kv_cache_per_gpu'])}")
     lines += [f"  training peak  {_gib(e['training_peak'])}",
               f"  rollout share  {_gib(e['rollout_share'])}  + resident training state = "
               f"{_gib(e['rollout_phase'])}",
@@ -452,13 +493,21 @@ def main(argv=None):
     p.add_argument("--search", action="store_true", help="propose TP/PP/EP layouts that fit")
     p.add_argument("--exact", action="store_true",
                    help="also build rank 0 and the last stage on the meta device and show their counts")
+    p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (memory in GiB)")
     a = p.parse_args(argv)
     cfg = load_config(a.recipe, a.overrides)
     world = a.gpus or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if a.gpus:
-        cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = 1, world
+    if a.gpus:  # keep the recipe's node size: rollout engines are placed on nodes
+        node = min(cfg.trainer.n_gpus_per_node, world)
+        if world % node:
+            raise ConfigError(f"--gpus {world} is not a whole number of {node}-GPU nodes "
+                              f"(trainer.n_gpus_per_node); use a multiple of {node}")
+        cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = world // node, node
     e = estimate(cfg, world, a.gpu_mem, a.device)
     print(_report(e))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(_in_gib(e), f, indent=1)
     if a.exact:
         lay = e["layout"]
         layout = dict(tp=lay["tp"], pp=lay["pp"], vpp=lay["vpp"], cp=lay["cp"], ep=lay["ep"],
