@@ -178,3 +178,65 @@ def test_cp_ranks_reproduce_the_unsplit_update(packed, fused, gspo):
             assert metrics.keys() == actor["want_metrics"].keys()
             for k, v in actor["want_metrics"].items():
                 assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def _gather_over_a_real_cp_group(takes):
+    from megatron.core import parallel_state as ps
+
+    from parallel.mesh import Layout, init_mesh
+    from parallel.packing import cp_all_gather, cp_gather
+
+    init_mesh(Layout(cp=2), seed=1)
+    rank = ps.get_context_parallel_rank()
+    x = (torch.arange(len(takes[rank]), dtype=torch.float) + 10 * rank).requires_grad_()
+    y = cp_gather(cp_all_gather(x, [len(t) for t in takes], ps.get_context_parallel_group()),
+                  takes)
+    (y * (torch.arange(y.numel()) + 1.0)).sum().backward()  # the same loss on both ranks
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("takes", [([0, 3, 4], [1, 2]), ([0, 1, 2], [])], ids=["uneven", "empty"])
+def test_cp_all_gather_returns_each_rank_its_own_gradient(takes):
+    """Both CP ranks compute the same loss on the gathered values: each must get the gradient
+    of its own values once (not summed over the ranks), so DP x CP's all-reduce counts it once."""
+    takes = [torch.tensor(t, dtype=torch.long) for t in takes]
+    results = run_on_ranks(_gather_over_a_real_cp_group, 2, takes)
+    expected = torch.zeros(sum(len(t) for t in takes))
+    for r, t in enumerate(takes):
+        expected[t] = torch.arange(len(t), dtype=torch.float) + 10 * r
+    for r, (y, grad) in enumerate(results):
+        torch.testing.assert_close(y, expected)
+        torch.testing.assert_close(grad, takes[r].float() + 1.0)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "rows"])
+def test_cp_micro_batch_carries_the_ranks_positions_and_replayed_routing(packed):
+    from engine.batch import Batch
+    from engine.workers.base import make_micro_batch
+
+    batch = _batch(96)
+    g = torch.Generator().manual_seed(5)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    routing = [torch.randint(0, 8, (n - 1, 3, 2), generator=g) for n in lengths]  # 3 MoE layers
+    batch = Batch({k: batch[k] for k in ("input_ids", "attention_mask", "responses",
+                                         "response_mask")},
+                  non_tensors=dict(routed_experts=routing))
+    kw = dict(packed=packed, multiple_of=2, cp_size=2)  # sequence parallelism over TP 2
+    whole = make_micro_batch(batch, list(range(B)), cp_rank=None, **kw)
+
+    def per_token(mb):  # Megatron's s-major routing -> [b * s, layers, topk] row-major
+        b = mb.tokens.shape[0]
+        return torch.stack([r.view(-1, b, 2).transpose(0, 1).reshape(-1, 2)
+                            for r in mb.routing], 1)
+
+    for r in range(2):
+        mb = make_micro_batch(batch, list(range(B)), cp_rank=r, **kw)
+        assert mb.tokens.numel() * 2 == whole.tokens.numel() and mb.tokens.shape[1] % 2 == 0
+        assert torch.equal(per_token(mb), per_token(whole)[mb.cp_index])
+        if packed:
+            assert mb.position_ids is None  # THD RoPE positions come from the padded cu_seqlens
+            assert whole.packed_params.cu_seqlens_q_padded is not None
+        else:
+            width = whole.tokens.shape[1]
+            assert width % 8 == 0  # 2 x CP x TP
+            assert torch.equal(mb.position_ids.reshape(-1), mb.cp_index % width)
