@@ -85,8 +85,8 @@ def cp_index(bounds: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
     parts = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if (end - start) % (2 * cp_size):
-            raise ValueError(f"segment [{start}, {end}) of {end - start} tokens does not split into "
-                             f"2 x CP = {2 * cp_size} chunks; pad it to a multiple first")
+            raise ValueError(f"segment [{start}, {end}) of {end - start} tokens does not split "
+                             f"into 2 x CP = {2 * cp_size} chunks; pad it to a multiple first")
         chunk = (end - start) // (2 * cp_size)
         for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
             parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))

@@ -77,7 +77,8 @@ def _fusion_reasons(support: FusionSupport, model: dict) -> dict:
     if not support.cuda:
         return {name: "needs a CUDA GPU" for name in FUSIONS}
     act, gated = model.get("activation_func"), model.get("gated_linear_unit", False)
-    act_ok = (act is F.silu and gated) or (act is F.gelu and (gated or model.get("add_bias_linear")))
+    bias = model.get("add_bias_linear", False)
+    act_ok = (act is F.silu and gated) or (act is F.gelu and (gated or bias))
     mla = model.get("multi_latent_attention", False)
     if mla:
         # Megatron's fused MLA RoPE is a Triton kernel for YaRN only, and marked experimental:
