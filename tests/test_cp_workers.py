@@ -38,14 +38,15 @@ class _SimulatedGather:
     def __init__(self, rank, payloads=None):
         self.rank, self.payloads, self.sent, self.calls = rank, payloads, [], 0
 
-    def __call__(self, values, mb):
+    def __call__(self, values, mb, takes=None):
+        takes = mb.cp_takes if takes is None else takes
         self.sent.append(values.detach())
         parts = [values if q == self.rank else
                  (self.payloads[q][self.calls] if self.payloads else
-                  values.new_zeros(mb.cp_takes[q].numel()))
-                 for q in range(len(mb.cp_takes))]
+                  values.new_zeros(takes[q].numel()))
+                 for q in range(len(takes))]
         self.calls += 1
-        return torch.cat(parts)[torch.argsort(torch.cat(mb.cp_takes))]
+        return torch.cat(parts)[torch.argsort(torch.cat(takes))]
 
 
 def _run_ranks(worker, fn, micro, hiddens):
@@ -144,6 +145,10 @@ def _case(packed, fused, gspo):
         v = _hidden(critic.models[0], whole).requires_grad_()
         want_values, want = values(v, whole)
         got = _run_ranks(critic, values, micro, _shares(v, micro))
+        # a reward model's score: the value at each row's last token
+        res["last"] = [x.detach() for x in _run_ranks(critic, critic.last_token_values, micro,
+                                                      _shares(v, micro))]
+        res["want_last"] = v.detach().reshape(-1)[whole.last_tokens]
         res["critic"] = dict(
             want=float(want), want_values=want_values.detach(),
             values=[x.detach() for x, _ in got], losses=[float(loss) for _, loss in got],
@@ -165,6 +170,8 @@ def test_cp_ranks_reproduce_the_unsplit_update(packed, fused, gspo):
         actor, critic = res["actor"], res["critic"]
         for v in critic["values"]:
             torch.testing.assert_close(v, critic["want_values"], atol=1e-5, rtol=0)
+        for last in res["last"]:
+            torch.testing.assert_close(last, res["want_last"], atol=0, rtol=0)
         for part in (actor, critic):
             assert part["grad_scale"] > 0 and part["grad_err"] <= 1e-5 * part["grad_scale"]
         # the gathered paths compute the whole loss on every rank; the single-pass kernel sums

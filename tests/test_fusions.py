@@ -71,6 +71,10 @@ def test_activation_and_mla_rules():
     with pytest.raises(ValueError, match="YaRN"):
         fusion_flags(dataclasses.replace(EVERYTHING, triton=False), yarn,
                      {"apply_rope_fusion": True})
+    # a standard-attention model with YaRN (mscale): TE's THD kernel would drop the mscale
+    with pytest.raises(ValueError, match="mscale"):
+        fusion_flags(EVERYTHING, dict(_model(), rope_type="yarn", mscale=1.2),
+                     {"apply_rope_fusion": True})
 
 
 def test_te_spec_needs_te_and_cuda():

@@ -86,6 +86,9 @@ def _fusion_reasons(support: FusionSupport, model: dict) -> dict:
         rope = ("needs YaRN RoPE and Triton for multi-latent attention"
                 if model.get("rope_type") != "yarn" or not support.triton else
                 "experimental for multi-latent attention in Megatron; ask for it explicitly")
+    elif model.get("rope_type") == "yarn" or model.get("mscale", 1.0) != 1.0:
+        # Megatron sends packed (THD) sequences to TE's fused RoPE without YaRN's mscale
+        rope = "TE's fused RoPE for packed sequences leaves out YaRN's mscale"
     else:
         rope = None if support.te else "needs TransformerEngine's fused RoPE"
     return {

@@ -49,6 +49,8 @@ class MicroBatch:
     cp_takes: Optional[List[torch.Tensor]] = None
     cp_size: int = 1
     cp_rank: int = 0
+    cp_last_tokens: Optional[torch.Tensor] = None  # local places of the last tokens it holds
+    cp_last_takes: Optional[List[torch.Tensor]] = None  # which rows' last token rank r holds
 
     def own_predictions(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-prediction values of the whole micro-batch -> those this CP rank holds."""
@@ -80,7 +82,10 @@ class MicroBatch:
             positions=self.positions.to(device), labels=self.labels.to(device),
             last_tokens=self.last_tokens.to(device), position_ids=moved(self.position_ids),
             routing=None if self.routing is None else [r.to(device) for r in self.routing],
-            cp_takes=None if self.cp_takes is None else [t.to(device) for t in self.cp_takes])
+            cp_takes=None if self.cp_takes is None else [t.to(device) for t in self.cp_takes],
+            cp_last_tokens=moved(self.cp_last_tokens),
+            cp_last_takes=None if self.cp_last_takes is None else [
+                t.to(device) for t in self.cp_last_takes])
 
 
 def sample_sequences(batch: Batch):
@@ -144,12 +149,14 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
         positions.append(pos)
         labels.append(seq[plen: plen + rlen])
         last.append(start + plen + rlen - 1)
-    positions, labels = torch.cat(positions), torch.cat(labels)
-    index = position_ids = takes = None
+    positions, labels, last = torch.cat(positions), torch.cat(labels), torch.tensor(last)
+    index = position_ids = takes = last_local = last_takes = None
     unsplit_shape = tuple(tokens.shape)
     if cp_size > 1 and cp_rank is not None:
         index = cp_index(bounds, cp_size, cp_rank)
         takes = [cp_localize(positions, cp_index(bounds, cp_size, r))[1] for r in range(cp_size)]
+        last_takes = [cp_localize(last, cp_index(bounds, cp_size, r))[1] for r in range(cp_size)]
+        last_local = cp_localize(last, index)[0]
         positions, mine = cp_localize(positions, index)
         labels = labels[mine]
         if not packed:  # RoPE of a [b, s] batch reads position ids; THD reads cu_seqlens
@@ -162,9 +169,10 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
     return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
                       positions=positions, labels=labels,
                       response_lengths=[r for _, _, r in seqs], response_width=width,
-                      last_tokens=torch.tensor(last), routing=routing, position_ids=position_ids,
+                      last_tokens=last, routing=routing, position_ids=position_ids,
                       cp_index=index, cp_takes=takes, cp_size=cp_size if takes else 1,
-                      cp_rank=cp_rank if takes else 0)
+                      cp_rank=cp_rank if takes else 0, cp_last_tokens=last_local,
+                      cp_last_takes=last_takes)
 
 
 class MegatronWorker:
@@ -292,8 +300,16 @@ class MegatronWorker:
                                  pad_id=self.pad_token_id, min_length=min_length, cp_size=cp,
                                  cp_rank=ps.get_context_parallel_rank()) for g in groups]
 
-    def gather_cp(self, values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """This CP rank's per-prediction values -> every prediction of the micro-batch, in order.
+    def last_token_values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The model output at each row's last valid token [rows] (a reward model's score), with
+        or without CP. (RewardModelWorker can use it and then set supports_context_parallel.)"""
+        if mb.cp_last_takes is None:
+            return output.reshape(-1)[mb.last_tokens]
+        return self.gather_cp(output.reshape(-1)[mb.cp_last_tokens], mb, mb.cp_last_takes)
+
+    def gather_cp(self, values: torch.Tensor, mb: MicroBatch, takes=None) -> torch.Tensor:
+        """This CP rank's per-prediction values -> every prediction of the micro-batch, in order
+        (`takes`: which entries each rank holds, when not the predictions, `mb.cp_takes`).
 
         Losses then run on whole sequences, identically on every CP rank (sequence-level terms
         such as GSPO's ratio or seq-mean aggregation need all of a sequence's tokens). Loss
@@ -302,11 +318,11 @@ class MegatronWorker:
         DP x CP, adds the ranks' shares into dL/dw exactly once (calculate_per_token_loss: no
         averaging; the LossNormaliser counts are summed over DP only, CP ranks share the data).
         """
-        if mb.cp_takes is None:
+        takes = mb.cp_takes if takes is None else takes
+        if takes is None:
             return values
-        parts = cp_all_gather(values, [t.numel() for t in mb.cp_takes],
-                              ps.get_context_parallel_group())
-        return cp_gather(parts, mb.cp_takes)
+        parts = cp_all_gather(values, [t.numel() for t in takes], ps.get_context_parallel_group())
+        return cp_gather(parts, takes)
 
     def run(self, micro: List[MicroBatch], head_fn: Callable, *, forward_only: bool):
         """Run micro-batches through the pipeline. `head_fn(output, mb)` gets the last stage's
