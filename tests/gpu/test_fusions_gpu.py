@@ -32,8 +32,6 @@ def _nll(logits, ids):
 
 
 def _rank(rank, hf_dir, tokens):
-    import os
-    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from engine.models.builder import FUSIONS, build_model, installed_fusion_support, te_available
@@ -75,8 +73,9 @@ def _rank(rank, hf_dir, tokens):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_te_spec_with_fusions_matches_transformers(family, tmp_path):
+def test_te_spec_with_fusions_matches_transformers(family, tmp_path, monkeypatch):
     _needs_te()
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # inherited by the spawned rank
     model = save_random_model(family_config(family), str(tmp_path))
     tokens = torch.randint(0, model.config.vocab_size, (2, SEQ),
                            generator=torch.Generator().manual_seed(3))
