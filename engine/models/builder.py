@@ -6,9 +6,11 @@ a GPU, Megatron's local spec (with Trident's norm and core attention) otherwise.
 """
 import dataclasses
 import importlib.util
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -22,8 +24,109 @@ from engine.models.arch import ArchSpec, arch_spec
 from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope
 
 
+def use_te_spec(te_importable: bool, cuda: bool) -> bool:
+    """TransformerEngine's layer spec needs both TE and a GPU; everything else gets Megatron's
+    local spec with Trident's norm and core attention (`decoder_block_spec`)."""
+    return bool(te_importable and cuda)
+
+
+def _importable(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken install
+        return False
+
+
 def te_available():
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return use_te_spec(_importable("transformer_engine"), torch.cuda.is_available())
+
+
+# ------------------------------------------------------------------------------------------
+# Megatron's kernel fusions. Recipe key (proposed; the lead wires it from engine/config.py):
+#     actor_rollout_ref.actor.megatron.fusions: {gradient_accumulation_fusion: false, ...}
+# A name absent (or null) is decided by what is installed; true asks for it and fails with a
+# message when it cannot run here; false turns it off.
+# ------------------------------------------------------------------------------------------
+FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+           "apply_rope_fusion", "gradient_accumulation_fusion", "persist_layer_norm")
+
+
+@dataclass(frozen=True)
+class FusionSupport:
+    """What the fused kernels need, as found on this machine (`installed_fusion_support`)."""
+    cuda: bool = False
+    te: bool = False              # TE: fused RoPE for bshd / thd
+    apex_wgrad: bool = False      # fused_weight_gradient_mlp_cuda (apex --cuda_ext)
+    apex_layer_norm: bool = False  # apex's persistent layer norm (apex.contrib.layer_norm)
+    softmax_kernels: bool = False  # scaled_(upper_triang_)masked_softmax_cuda
+    triton: bool = False          # MLA's fused YaRN RoPE
+
+
+def installed_fusion_support() -> FusionSupport:
+    return FusionSupport(
+        cuda=torch.cuda.is_available(), te=_importable("transformer_engine"),
+        apex_wgrad=_importable("fused_weight_gradient_mlp_cuda"),
+        apex_layer_norm=_importable("fast_layer_norm") and _importable("apex"),
+        softmax_kernels=(_importable("scaled_masked_softmax_cuda")
+                         and _importable("scaled_upper_triang_masked_softmax_cuda")),
+        triton=_importable("triton"))
+
+
+def _fusion_reasons(support: FusionSupport, model: dict) -> dict:
+    """For each fusion, None if it can run with this model here, else why not."""
+    if not support.cuda:
+        return {name: "needs a CUDA GPU" for name in FUSIONS}
+    act, gated = model.get("activation_func"), model.get("gated_linear_unit", False)
+    bias = model.get("add_bias_linear", False)
+    act_ok = (act is F.silu and gated) or (act is F.gelu and (gated or bias))
+    mla = model.get("multi_latent_attention", False)
+    if mla:
+        # Megatron's fused MLA RoPE is a Triton kernel for YaRN only, and marked experimental:
+        # it runs when asked for, and is not chosen by default.
+        rope = ("needs YaRN RoPE and Triton for multi-latent attention"
+                if model.get("rope_type") != "yarn" or not support.triton else
+                "experimental for multi-latent attention in Megatron; ask for it explicitly")
+    elif model.get("rope_type") == "yarn" or model.get("mscale", 1.0) != 1.0:
+        # Megatron sends packed (THD) sequences to TE's fused RoPE without YaRN's mscale
+        rope = "TE's fused RoPE for packed sequences leaves out YaRN's mscale"
+    else:
+        rope = None if support.te else "needs TransformerEngine's fused RoPE"
+    return {
+        # FusedScaleMaskSoftmax's CUDA kernels (apex / Megatron-LM builds); Trident's specs use
+        # TE's or its own attention, so this is inert unless Megatron's local attention is used
+        "masked_softmax_fusion": None if support.softmax_kernels else
+        "needs the scaled_masked_softmax_cuda kernels (apex --cuda_ext)",
+        "bias_activation_fusion": None if act_ok else
+        "needs SwiGLU, or GeLU with gated units or linear biases",
+        "bias_dropout_fusion": None,  # Megatron's jit-fused bias-dropout-add: any CUDA device
+        "apply_rope_fusion": rope,
+        # Megatron's own ColumnParallelLinear (the output layer, also under TE's spec) refuses
+        # to build without apex's extension, so TE alone is not enough
+        "gradient_accumulation_fusion": None if support.apex_wgrad else
+        "needs apex's fused_weight_gradient_mlp_cuda (apex --cpp_ext --cuda_ext)",
+        "persist_layer_norm": None if support.apex_layer_norm else
+        "needs apex's persistent layer norm (apex.contrib.layer_norm)",
+    }
+
+
+def fusion_flags(support: FusionSupport, model: dict, overrides: Optional[dict] = None) -> dict:
+    """The six TransformerConfig fusion switches for `model` (TransformerConfig keyword
+    arguments: activation, gating, MLA, rope type): each fusion that can run here is on,
+    except experimental ones; `overrides` (the recipe's `fusions` dict) turns any off, or on
+    when it can run."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(FUSIONS))
+    if unknown:
+        raise ValueError(f"megatron.fusions: unknown {unknown}; known: {', '.join(FUSIONS)}")
+    reasons = _fusion_reasons(support, model)
+    flags = {}
+    for name in FUSIONS:
+        want = overrides.get(name)
+        if want and reasons[name] and not reasons[name].startswith("experimental"):
+            raise ValueError(f"megatron.fusions.{name}=true: {reasons[name]}; set it to false "
+                             "or leave it unset")
+        flags[name] = bool(want) if want is not None else reasons[name] is None
+    return flags
 
 
 class TridentGPTModel(GPTModel):
@@ -88,8 +191,11 @@ def _swap_local_modules(spec):
 
 def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_parallel=False,
                        recompute_granularity=None, recompute_method=None,
-                       recompute_num_layers=None, overrides: Optional[dict] = None):
-    """TransformerConfig for `arch` at the layout of the current parallel_state."""
+                       recompute_num_layers=None, overrides: Optional[dict] = None,
+                       fusions: Optional[dict] = None, support: Optional[FusionSupport] = None):
+    """TransformerConfig for `arch` at the layout of the current parallel_state. `fusions`:
+    the recipe's per-fusion switches (see `fusion_flags`); `support`: what is installed
+    (probed when not given)."""
     cuda = torch.cuda.is_available()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     kwargs = dict(
@@ -111,12 +217,8 @@ def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_p
         # Losses are sums normalised by global token counts computed by the caller, so the
         # schedule must neither average over micro-batches nor DDP over data-parallel ranks.
         calculate_per_token_loss=True,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **fusion_flags(support or (installed_fusion_support() if cuda else FusionSupport()),
+                       arch.transformer, fusions),
         moe_token_dispatcher_type="alltoall" if cuda else "allgather",
         # gloo matches point-to-point messages between two ranks in posting order; megatron's
         # batched p2p posts sends and receives in an order that, with pp=2 and virtual stages
@@ -142,17 +244,27 @@ def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_p
     return TransformerConfig(**kwargs)
 
 
+def decoder_block_spec(config, *, use_te: bool, vp_stage=None):
+    """The decoder block spec: TE's layers, or Megatron's local ones with Trident's norm and
+    core attention swapped in (see local_modules)."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                       normalization=config.normalization, vp_stage=vp_stage)
+    return block if use_te else _swap_local_modules(block)
+
+
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-                config_overrides: Optional[dict] = None) -> List[TridentGPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage) for the HF config given."""
+                config_overrides: Optional[dict] = None,
+                fusions: Optional[dict] = None) -> List[TridentGPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage) for the HF config given.
+    `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`)."""
     arch = arch_spec(hf_config)
     config = transformer_config(arch, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel,
                                 recompute_granularity=recompute_granularity,
                                 recompute_method=recompute_method,
                                 recompute_num_layers=recompute_num_layers,
-                                overrides=config_overrides)
+                                overrides=config_overrides, fusions=fusions)
     use_te = te_available()
     if config.context_parallel_size > 1 and not use_te:
         raise ValueError(
@@ -165,10 +277,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                           normalization=config.normalization, vp_stage=stage)
-        if not use_te:
-            block = _swap_local_modules(block)
+        block = decoder_block_spec(config, use_te=use_te, vp_stage=stage)
         model = TridentGPTModel(
             config=config,
             transformer_layer_spec=block,

@@ -22,10 +22,13 @@ class LogProbModel(MegatronWorker):
     """A language model whose last stage returns hidden states; log-probs come from the fused
     chunked kernel against this rank's vocab shard (never the [tokens, vocab] logits)."""
 
+    supports_context_parallel = True
+
     def _logprob_entropy(self, hidden, mb, temperature, with_entropy):
         model = self.models[-1]
         h = hidden.reshape(-1, hidden.shape[-1])[mb.positions]
-        chunk = None if self.model_cfg.use_fused_kernels else h.shape[0]
+        # one chunk when unfused (at least 1: a CP rank may hold no prediction of a micro-batch)
+        chunk = None if self.model_cfg.use_fused_kernels else max(h.shape[0], 1)
         lp, ent = linear_logprob_entropy(
             h, model.output_weight(), mb.labels, temperature=temperature,
             tp_group=ps.get_tensor_model_parallel_group(), chunk_tokens=chunk,
@@ -43,9 +46,9 @@ class LogProbModel(MegatronWorker):
 
         def head(hidden, mb):
             lp, ent = self._logprob_entropy(hidden, mb, temperature, with_entropy)
-            info = dict(rows=mb.rows, log_prob=mb.to_padded(lp.float()).cpu())
+            info = dict(rows=mb.rows, log_prob=mb.to_padded(self.gather_cp(lp.float(), mb)).cpu())
             if with_entropy:
-                info["entropy"] = mb.to_padded(ent.float()).cpu()
+                info["entropy"] = mb.to_padded(self.gather_cp(ent.float(), mb)).cpu()
             return lp.sum() * 0.0, info
 
         infos = self.run(micro, head, forward_only=True)
@@ -137,15 +140,17 @@ class ActorWorker(LogProbModel):
         if cfg.policy_loss != "gspo" and self.model_cfg.use_fused_kernels:
             loss, lp, ent = self._single_pass_loss(hidden, mb, mask, old, adv, ref, norm,
                                                    temperature)
-            with torch.no_grad():
-                log_prob = mb.to_padded(lp)
-                _, metrics = self._loss_terms(log_prob, mb.to_padded(ent), mask,
-                                              log_prob if old is None else old, adv, ref, norm)
+            with torch.no_grad():  # metrics of whole sequences, identical on every CP rank
+                log_prob = mb.to_padded(self.gather_cp(lp, mb))
+                _, metrics = self._loss_terms(log_prob, mb.to_padded(self.gather_cp(ent, mb)),
+                                              mask, log_prob if old is None else old, adv, ref,
+                                              norm)
             return loss, metrics
         need_entropy = True  # reported as actor/entropy even when the bonus is off
         lp, ent = self._logprob_entropy(hidden, mb, temperature, need_entropy)
-        log_prob = mb.to_padded(lp.float())
-        return self._loss_terms(log_prob, mb.to_padded(ent.float()), mask,
+        log_prob = mb.to_padded(self.gather_cp(lp.float(), mb))
+        entropy = mb.to_padded(self.gather_cp(ent.float(), mb))
+        return self._loss_terms(log_prob, entropy, mask,
                                 log_prob.detach() if old is None else old, adv, ref, norm)
 
     def _loss_terms(self, log_prob, entropy_tokens, mask, old, adv, ref, norm):
@@ -175,12 +180,15 @@ class ActorWorker(LogProbModel):
 
     def _single_pass_loss(self, hidden, mb, mask, old, adv, ref, norm, temperature):
         """The same loss as `_loss_terms`, as a weighted sum of per-token terms fed to
-        kernels.logprob.linear_token_loss. Returns (loss, flat log-probs, flat entropies)."""
+        kernels.logprob.linear_token_loss. Returns (loss, flat log-probs, flat entropies).
+
+        Under CP a rank sums the terms of the predictions it holds (with the global weights);
+        the loss is linear in the terms, so the CP ranks' losses add up to the whole loss and
+        the gradient all-reduce over DP x CP sums their gradients into the whole gradient."""
         cfg = self.cfg
-        weight = mb.to_flat(token_weights(mask, cfg.loss_agg_mode, **norm.as_kwargs()))
-        old = mb.to_flat(old) if old is not None else None
-        adv = mb.to_flat(adv)
-        ref = mb.to_flat(ref) if ref is not None else None
+        flat = lambda t: None if t is None else mb.own_predictions(mb.to_flat(t))  # noqa: E731
+        weight = flat(token_weights(mask, cfg.loss_agg_mode, **norm.as_kwargs()))
+        old, adv, ref = flat(old), flat(adv), flat(ref)
 
         def token_loss(start, end, lp, ent):
             old_lp = lp.detach() if old is None else old[start:end]

@@ -6,6 +6,10 @@ and the response right-padded, `responses` / `response_mask` [B, R]. The forward
 sees pad tokens: each sample's valid tokens are either packed back to back into one row
 (`use_remove_padding`, THD) or left-aligned and right-padded per row, so attention is causal
 and RoPE positions start at 0 for every sequence.
+
+Context parallelism (CP): each CP rank feeds the model its share of every sequence
+(parallel.packing's 2 x CP chunks) and computes log-probs / values at the predictions it
+holds; `MegatronWorker.gather_cp` puts them back in order, so losses see whole sequences.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -18,7 +22,8 @@ from megatron.core import parallel_state as ps
 from engine.batch import Batch
 from engine.models.builder import build_model
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
-from parallel.packing import pack
+from parallel.packing import (cp_all_gather, cp_gather, cp_index, cp_localize, pack, round_up,
+                              row_bounds)
 from parallel.schedule import forward_backward, split_by_count, split_by_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,8 +39,22 @@ class MicroBatch:
     labels: torch.Tensor          # the response token predicted at each of those positions
     response_lengths: List[int]   # per row, valid response tokens
     response_width: int           # R of the batch (response_mask.shape[1])
-    last_tokens: torch.Tensor     # flat index of each row's last valid token
+    last_tokens: torch.Tensor     # flat index of each row's last valid token (unsplit row)
     routing: Optional[list] = None  # per MoE layer [tokens, topk] experts to replay (router_replay)
+    # context parallelism: `tokens`, `positions`, `labels` and `routing` are this CP rank's
+    # share; `cp_index` places its tokens in the unsplit row and `cp_takes[r]` says which
+    # predictions (in response order) CP rank r holds. None without CP.
+    position_ids: Optional[torch.Tensor] = None  # [b, s] for unpacked CP batches
+    cp_index: Optional[torch.Tensor] = None
+    cp_takes: Optional[List[torch.Tensor]] = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_last_tokens: Optional[torch.Tensor] = None  # local places of the last tokens it holds
+    cp_last_takes: Optional[List[torch.Tensor]] = None  # which rows' last token rank r holds
+
+    def own_predictions(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-prediction values of the whole micro-batch -> those this CP rank holds."""
+        return flat if self.cp_takes is None else flat[self.cp_takes[self.cp_rank]]
 
     def _valid(self, device):
         lengths = torch.tensor(self.response_lengths, device=device)
@@ -57,11 +76,16 @@ class MicroBatch:
             params = dataclasses.replace(params, **{
                 f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
                 if isinstance(getattr(params, f.name), torch.Tensor)})
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
         return dataclasses.replace(
             self, tokens=self.tokens.to(device), packed_params=params,
             positions=self.positions.to(device), labels=self.labels.to(device),
-            last_tokens=self.last_tokens.to(device),
-            routing=None if self.routing is None else [r.to(device) for r in self.routing])
+            last_tokens=self.last_tokens.to(device), position_ids=moved(self.position_ids),
+            routing=None if self.routing is None else [r.to(device) for r in self.routing],
+            cp_takes=None if self.cp_takes is None else [t.to(device) for t in self.cp_takes],
+            cp_last_tokens=moved(self.cp_last_tokens),
+            cp_last_takes=None if self.cp_last_takes is None else [
+                t.to(device) for t in self.cp_last_takes])
 
 
 def sample_sequences(batch: Batch):
@@ -78,11 +102,11 @@ def sample_sequences(batch: Batch):
     return out
 
 
-def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape):
+def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape, index=None):
     """The rollout's recorded experts laid out in Megatron's token order, one tensor per MoE
     layer ([tokens, topk]). The rollout never runs the last token of a response (it is sampled,
     not fed back) nor padding; those positions take expert ids 0..topk-1 — their outputs reach
-    no log-prob (attention is causal and they come last)."""
+    no log-prob (attention is causal and they come last). `index`: a CP rank's tokens."""
     recorded = [batch["routed_experts"][r] for r in rows]
     layers, topk = recorded[0].shape[1], recorded[0].shape[2]
     b, s = tokens_shape
@@ -90,47 +114,78 @@ def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape):
     for start, rec, (seq, _, _) in zip(starts, recorded, seqs):
         n = min(rec.shape[0], seq.numel())
         flat[start:start + n] = rec[:n].long()
+    if index is not None:  # this CP rank's tokens, [b, s / CP] row-major
+        flat, s = flat[index], index.numel() // b
     # Megatron's router sees [s, b] flattened s-major
     flat = flat.view(b, s, layers, topk).transpose(0, 1).reshape(s * b, layers, topk)
     return [flat[:, layer].contiguous() for layer in range(layers)]
 
 
 def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of: int,
-                     pad_id: int = 0, min_length: int = 0) -> MicroBatch:
+                     pad_id: int = 0, min_length: int = 0, cp_size: int = 1,
+                     cp_rank: Optional[int] = 0) -> MicroBatch:
+    """The model inputs of `rows`. With cp_size > 1, every sequence (packed) or row (unpacked)
+    is padded to a multiple of 2 x CP x `multiple_of` and the micro-batch holds CP rank
+    `cp_rank`'s share; cp_rank=None gives the padded row unsplit (what the shares come from)."""
     seqs = sample_sequences(batch.index_select(rows))
     width = batch["responses"].shape[1]
+    seq_multiple = 2 * cp_size * multiple_of if cp_size > 1 else 1
     positions, labels, last = [], [], []
     if packed:
         p = pack([s for s, _, _ in seqs], pad_id=pad_id, multiple_of=multiple_of,
-                 min_length=min_length)
-        tokens, params, starts = p.tokens, p.params, p.offsets
+                 min_length=min_length, seq_multiple_of=seq_multiple)
+        tokens, params, starts, bounds = p.tokens, p.params, p.offsets, p.bounds
     else:
         longest = max(max(s.numel() for s, _, _ in seqs), min_length)
-        longest = -(-longest // multiple_of) * multiple_of
+        longest = round_up(longest, max(multiple_of, seq_multiple))
         tokens = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
         for r, (s, _, _) in enumerate(seqs):
             tokens[r, : s.numel()] = s
         params, starts = None, [r * longest for r in range(len(seqs))]
+        bounds = row_bounds(len(seqs), longest)
     for start, (seq, plen, rlen) in zip(starts, seqs):
         # token t+1 is predicted at position t: the response starts at plen
         pos = torch.arange(start + plen - 1, start + plen - 1 + rlen)
         positions.append(pos)
         labels.append(seq[plen: plen + rlen])
         last.append(start + plen + rlen - 1)
+    positions, labels, last = torch.cat(positions), torch.cat(labels), torch.tensor(last)
+    index = position_ids = takes = last_local = last_takes = None
+    unsplit_shape = tuple(tokens.shape)
+    if cp_size > 1 and cp_rank is not None:
+        index = cp_index(bounds, cp_size, cp_rank)
+        takes = [cp_localize(positions, cp_index(bounds, cp_size, r))[1] for r in range(cp_size)]
+        last_takes = [cp_localize(last, cp_index(bounds, cp_size, r))[1] for r in range(cp_size)]
+        last_local = cp_localize(last, index)[0]
+        positions, mine = cp_localize(positions, index)
+        labels = labels[mine]
+        if not packed:  # RoPE of a [b, s] batch reads position ids; THD reads cu_seqlens
+            position_ids = torch.arange(tokens.shape[1]).repeat(tokens.shape[0])[index]
+            position_ids = position_ids.view(tokens.shape[0], -1)
+        tokens = tokens.reshape(-1)[index].view(tokens.shape[0], -1)
     routing = None
     if "routed_experts" in batch:
-        routing = replay_routing(batch, rows, starts, seqs, tuple(tokens.shape))
+        routing = replay_routing(batch, rows, starts, seqs, unsplit_shape, index)
     return MicroBatch(rows=list(rows), tokens=tokens, packed_params=params,
-                      positions=torch.cat(positions), labels=torch.cat(labels),
+                      positions=positions, labels=labels,
                       response_lengths=[r for _, _, r in seqs], response_width=width,
-                      last_tokens=torch.tensor(last), routing=routing)
+                      last_tokens=last, routing=routing, position_ids=position_ids,
+                      cp_index=index, cp_takes=takes, cp_size=cp_size if takes else 1,
+                      cp_rank=cp_rank if takes else 0, cp_last_tokens=last_local,
+                      cp_last_takes=last_takes)
 
 
 class MegatronWorker:
     """A model (actor, critic or reference) on this rank's Megatron layout."""
 
+    # whether this worker's heads gather their CP shares (`gather_cp`); others refuse CP > 1
+    supports_context_parallel = False
+
     def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
                  total_steps=1, pad_token_id=0, router_replay=False):
+        if ps.get_context_parallel_world_size() > 1 and not self.supports_context_parallel:
+            raise ValueError(f"{type(self).__name__} does not support context parallelism yet; "
+                             "set its megatron.context_parallel_size=1")
         self.hf_config = hf_config
         self.megatron_cfg = megatron_cfg
         self.model_cfg = model_cfg
@@ -232,14 +287,42 @@ class MegatronWorker:
             groups = [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
         packed = bool(self.model_cfg.use_remove_padding)
         multiple = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
+        cp = ps.get_context_parallel_world_size()
         min_length = 0
         if not self.config.variable_seq_lengths:
-            # every micro-batch of one schedule call must have the same shape
-            lengths = batch["attention_mask"].sum(-1)
-            min_length = max(int(lengths[g].sum()) if packed else int(lengths[g].max())
+            # every micro-batch of one schedule call must have the same shape (under CP, each
+            # sequence is padded to a multiple of 2 x CP x `multiple` before packing)
+            span = 2 * cp * multiple if cp > 1 else 1
+            lengths = [round_up(int(n), span) for n in batch["attention_mask"].sum(-1)]
+            min_length = max(sum(lengths[i] for i in g) if packed else max(lengths[i] for i in g)
                              for g in groups)
         return [make_micro_batch(batch, g, packed=packed, multiple_of=multiple,
-                                 pad_id=self.pad_token_id, min_length=min_length) for g in groups]
+                                 pad_id=self.pad_token_id, min_length=min_length, cp_size=cp,
+                                 cp_rank=ps.get_context_parallel_rank()) for g in groups]
+
+    def last_token_values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The model output at each row's last valid token [rows] (a reward model's score), with
+        or without CP. (RewardModelWorker can use it and then set supports_context_parallel.)"""
+        if mb.cp_last_takes is None:
+            return output.reshape(-1)[mb.last_tokens]
+        return self.gather_cp(output.reshape(-1)[mb.cp_last_tokens], mb, mb.cp_last_takes)
+
+    def gather_cp(self, values: torch.Tensor, mb: MicroBatch, takes=None) -> torch.Tensor:
+        """This CP rank's per-prediction values -> every prediction of the micro-batch, in order
+        (`takes`: which entries each rank holds, when not the predictions, `mb.cp_takes`).
+
+        Losses then run on whole sequences, identically on every CP rank (sequence-level terms
+        such as GSPO's ratio or seq-mean aggregation need all of a sequence's tokens). Loss
+        invariant: the gradient of the gathered values flows back to its owner only, so each CP
+        rank back-propagates dL/d(its own tokens) and Megatron's gradient all-reduce, a sum over
+        DP x CP, adds the ranks' shares into dL/dw exactly once (calculate_per_token_loss: no
+        averaging; the LossNormaliser counts are summed over DP only, CP ranks share the data).
+        """
+        takes = mb.cp_takes if takes is None else takes
+        if takes is None:
+            return values
+        parts = cp_all_gather(values, [t.numel() for t in takes], ps.get_context_parallel_group())
+        return cp_gather(parts, takes)
 
     def run(self, micro: List[MicroBatch], head_fn: Callable, *, forward_only: bool):
         """Run micro-batches through the pipeline. `head_fn(output, mb)` gets the last stage's
@@ -251,16 +334,18 @@ class MegatronWorker:
             mb = mb.to(device)
             if self.router_replay and mb.routing is not None:
                 self._set_replay(model, mb)
-            out = model(mb.tokens, None if mb.packed_params is not None else
-                        torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens),
-                        None, packed_seq_params=mb.packed_params)
+            position_ids = mb.position_ids
+            if position_ids is None and mb.packed_params is None:
+                position_ids = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
+            out = model(mb.tokens, position_ids, None, packed_seq_params=mb.packed_params)
 
             def loss_fn(output):
                 loss, info = head_fn(output, mb)
                 return loss, torch.tensor(1), info
             return out, loss_fn
 
-        seq_length = max(mb.tokens.shape[1] for mb in micro)
+        # the schedule divides by CP (and TP under SP) for its p2p shapes: the unsplit length
+        seq_length = max(mb.tokens.shape[1] * mb.cp_size for mb in micro)
         return forward_backward(self.chunks, micro, step, forward_only=forward_only,
                                 seq_length=seq_length, micro_batch_size=micro[0].tokens.shape[0])
 

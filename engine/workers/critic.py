@@ -15,6 +15,7 @@ from engine.workers.base import MegatronWorker, global_counts
 
 class CriticWorker(MegatronWorker):
     mini_batch_size_per_rank = None  # set by the trainer from engine.config.derive
+    supports_context_parallel = True
 
     def __init__(self, hf_config, critic_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
@@ -25,7 +26,9 @@ class CriticWorker(MegatronWorker):
         self.response_length = response_length
 
     def _values(self, output, mb):
-        return mb.to_padded(output.reshape(-1)[mb.positions].float())
+        # under CP, every rank's values gathered in order; the loss on them is the same on every
+        # CP rank and its gradient reaches each rank for its own tokens (see gather_cp)
+        return mb.to_padded(self.gather_cp(output.reshape(-1)[mb.positions].float(), mb))
 
     @torch.no_grad()
     def compute_values(self, batch: Batch, *, micro_batch_size=None, max_tokens=None):
