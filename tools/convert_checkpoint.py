@@ -76,7 +76,7 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from engine.models import hf_io
+    from engine.models import fp8, hf_io
     from engine.models.arch import arch_spec
     from engine.models.builder import build_model
     from parallel.mesh import init_mesh
@@ -102,7 +102,7 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
                 json.dump(meta, f, indent=2)
             cfg_dir = os.path.join(tmp, HF_CONFIG_DIR)
             os.makedirs(cfg_dir)
-            hf_config.save_pretrained(cfg_dir)
+            fp8.unquantised_config(hf_config).save_pretrained(cfg_dir)  # weights now dequantised
             hf_io.copy_side_files(hf_dir, cfg_dir)
             hf_io.publish(tmp, out_dir)
     except BaseException:
