@@ -215,8 +215,9 @@ def _mla_rope(cfg):
         # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
         return dict(rope_type="rope", rotary_scaling_factor=1.0)
     if scaling["rope_type"] != "yarn":
-        raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported for MLA; "
-                         "DeepSeek-V3 uses 'yarn' or none")
+        raise ValueError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported for "
+                         "DeepSeek-V3 (MLA): use 'yarn' as the released config does, or remove "
+                         "rope_scaling from config.json")
     return dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
                 beta_fast=float(scaling.get("beta_fast", 32)),

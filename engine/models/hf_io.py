@@ -224,18 +224,30 @@ def copy_side_files(src_dir: Optional[str], dst_dir: str):
 
 
 def check_new_output_dir(out_dir: str) -> Optional[str]:
-    """Why `out_dir` cannot be written, or None."""
+    """Why `out_dir` cannot be written, or None. Missing parents are fine: they are created
+    (as save_pretrained does) unless something in the way is a file or is read-only."""
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         return f"output directory {out_dir!r} already exists and is not empty; choose a new path"
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    if not os.path.isdir(parent):
-        return f"parent directory {parent!r} of the output does not exist; create it first"
+    ancestor = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"output directory {out_dir!r} cannot be created: {ancestor!r} is a file; choose another path"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"output directory {out_dir!r} cannot be created: {ancestor!r} is not writable; choose another path"
     return None
+
+
+def make_parent_dirs(out_dir: str) -> str:
+    """Create the missing parents of `out_dir` (not `out_dir` itself); returns the parent."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    return parent
 
 
 def atomic_output_dir(out_dir: str) -> str:
     """A fresh temporary sibling of `out_dir` (same filesystem, so renaming is atomic)."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    parent = make_parent_dirs(out_dir)
     return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
 
 
