@@ -109,10 +109,14 @@ class Dequantised:
         w = torch.as_tensor(self.weight[r0:r1, c0:c1]).float()
         if w.numel() == 0:
             return w
-        # the scale blocks covering rows r0..r1 and columns c0..c1, spread to one per element
+        # the scale blocks covering rows r0..r1 and columns c0..c1
         s = torch.as_tensor(self.scale[r0 // bm:(r1 - 1) // bm + 1, c0 // bn:(c1 - 1) // bn + 1]).float()
-        s = s.repeat_interleave(bm, 0).repeat_interleave(bn, 1)
-        return w * s[r0 % bm:r0 % bm + (r1 - r0), c0 % bn:c0 % bn + (c1 - c0)]
+        s = s.repeat_interleave(bn, 1)[:, c0 % bn:c0 % bn + (c1 - c0)]
+        # in place, one block row at a time: no second weight-sized tensor for the scales
+        for i in range(s.shape[0]):
+            first = (r0 // bm + i) * bm - r0  # block row i's first row, relative to r0
+            w[max(0, first):first + bm].mul_(s[i])
+        return w
 
 
 def _shape(x):
