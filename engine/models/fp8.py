@@ -55,13 +55,13 @@ def scale_shape(shape, block) -> Tuple[int, int]:
 def validate(hf_config, index: Dict[str, tuple]) -> Set[str]:
     """Check the fp8 weights of `index` (hf_name -> (file, shape, dtype)) against their scales
     and the config; returns the scale tensors they consume."""
-    fp8 = [n for n, (_, _, dtype) in index.items() if dtype in FP8_DTYPES]
+    fp8 = {n for n, (_, _, dtype) in index.items() if dtype in FP8_DTYPES}
     scales = {n for n in index if n.endswith(SCALE_SUFFIX)}
     if not fp8 and not scales:
         return set()
     check_supported(hf_config)
     block = block_size(hf_config)
-    for name in fp8:
+    for name in sorted(fp8):
         shape = tuple(index[name][1])
         scale = name + SCALE_SUFFIX
         if len(shape) != 2:
