@@ -23,9 +23,9 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 def odd_deepseek_config():
     # dims that are not multiples of the block: ragged last blocks everywhere
-    return deepseek_v3_config(hidden_size=36, intermediate_size=22, moe_intermediate_size=10,
-                              q_lora_rank=10, kv_lora_rank=10, qk_nope_head_dim=6,
-                              qk_rope_head_dim=4, v_head_dim=6)
+    return deepseek_v3_config(num_hidden_layers=2, hidden_size=36, intermediate_size=22,
+                              moe_intermediate_size=10, q_lora_rank=10, kv_lora_rank=10,
+                              qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6)
 
 
 def quantise(w, bm, bn):
