@@ -173,7 +173,8 @@ def test_smollm2_real_weights_roundtrip(tmp_path_factory):
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("transformers loads GGUF files only with `accelerate` installed")
     from tools.convert_checkpoint import gguf_to_hf
-    hf_dir = str(tmp_path_factory.mktemp("smollm2") / "hf")
+    # as `make demo-real` on a fresh clone: the parent (data/) does not exist yet
+    hf_dir = str(tmp_path_factory.mktemp("smollm2") / "data" / "hf")
     gguf_to_hf(gguf, hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     work = tmp_path_factory.mktemp("smollm2_work")
@@ -191,3 +192,57 @@ def test_smollm2_real_weights_roundtrip(tmp_path_factory):
         assert set(written) == set(original)
         assert all(torch.equal(written[k], original[k]) for k in original)
     torch.testing.assert_close(hf_logits(str(work / "back"), tokens), expected, atol=0, rtol=0)
+
+
+def test_bin_only_directory_is_refused_with_the_conversion(tmp_path):
+    cfg = tiny_config("llama", num_hidden_layers=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    bin_dir, new = str(tmp_path / "bin"), str(tmp_path / "bin-safetensors")
+    cfg.save_pretrained(bin_dir)
+    torch.save(model.state_dict(), os.path.join(bin_dir, "pytorch_model.bin"))
+    with pytest.raises(ValueError, match=r"holds PyTorch \.bin weights .*reads safetensors only.*"
+                                         r"from_pretrained\(.*\)\.save_pretrained\(.*bin-safetensors"):
+        hf_io.read_index(bin_dir)
+    # what the message says to do works
+    transformers.AutoModelForCausalLM.from_pretrained(bin_dir).save_pretrained(new)
+    _validate(new)
+
+
+def _main(capsys, *argv):
+    from tools.convert_checkpoint import main
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_checks_arguments_before_reading_weights(qwen2_dir, tmp_path, capsys):
+    """Failures that need no weights come before any tensor is read or rank is spawned."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc, out, err = _main(capsys, "hf-to-mcore", "--hf", qwen2_dir, "--out", str(blocker / "sub" / "ckpt"))
+    assert rc == 2 and "--out: output directory" in err and "is a file" in err and "loaded" not in out
+    moe = str(tmp_path / "moe")
+    save_random_model(tiny_config("qwen3_moe", num_hidden_layers=1), moe)
+    rc, out, err = _main(capsys, "hf-to-mcore", "--hf", moe, "--out", str(tmp_path / "o"),
+                         "--tp", "2", "--ep", "2", "--etp", "2", "--nproc", "2")
+    assert rc == 2 and "expert layout ep=2 x etp=2 does not divide the 2 ranks" in err
+    rc, _, err = _main(capsys, "gguf-to-hf", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "g"))
+    assert rc == 2 and "--gguf" in err and "is not a file" in err
+    assert sorted(os.listdir(tmp_path)) == ["file", "moe"]  # nothing written
+
+
+def test_cli_moe_defaults_and_missing_parents(tmp_path):
+    """MoE at tp=2, ep=2 with neither --etp nor --nproc, into directories that do not exist:
+    expert TP 1 and the layout's 2 ranks are chosen and said, parents created. (That layout's
+    logits and round trip are checked in test_hf_parity.)"""
+    hf_dir = str(tmp_path / "hf")
+    save_random_model(tiny_config("qwen3_moe", num_hidden_layers=1), hf_dir)
+    ckpt = tmp_path / "new" / "deeper" / "ckpt"
+    res = _cli("hf-to-mcore", "--hf", hf_dir, "--out", str(ckpt), "--tp", "2", "--ep", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "--etp not given: expert tensor parallel 1" in res.stdout
+    assert "--nproc not given: running the layout's 2 ranks" in res.stdout
+    meta = json.load(open(ckpt / "trident_meta.json"))
+    assert meta["world_size"] == 2 and meta["layout"]["etp"] == 1 and meta["layout"]["ep"] == 2
+    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))[-1].startswith("__1_")
+    assert sorted(os.listdir(tmp_path / "new" / "deeper")) == ["ckpt"]  # no temporary dir left

@@ -33,6 +33,16 @@ def deepseek_v3_config(**overrides):
     return cfg
 
 
+# Llama 3.x RoPE with none of the defaults (factor 8, low 1, high 4, 8192 positions), and a
+# theta / original context that put the 4 frequencies of head_dim 8 into all three llama3
+# bands (kept, interpolated, divided by factor) within 8 positions.
+ROPE_SCALINGS = {
+    "llama_rope_llama3": dict(rope_type="llama3", rope_theta=100.0, factor=4.0, low_freq_factor=1.5,
+                              high_freq_factor=8.0, original_max_position_embeddings=32),
+    "llama_rope_linear": dict(rope_type="linear", rope_theta=100.0, factor=3.0),
+}
+
+
 def family_config(name):
     if name == "deepseek_v3":
         return deepseek_v3_config()
@@ -43,6 +53,8 @@ def family_config(name):
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
     if name == "llama_tied":
         return tiny_config("llama", tie_word_embeddings=True)
+    if name in ROPE_SCALINGS:
+        return tiny_config("llama", rope_parameters=dict(ROPE_SCALINGS[name]))
     return tiny_config(name)
 
 
@@ -129,6 +141,8 @@ CASES = [
     ("llama", dict(tp=2), 2),
     ("llama", dict(tp=2, pp=2), 4),
     ("llama_tied", dict(pp=2), 2),
+    ("llama_rope_llama3", dict(tp=2), 2),
+    ("llama_rope_linear", dict(pp=2), 2),
     ("qwen2", dict(tp=2), 2),
     ("qwen3", dict(pp=2, vpp=2), 2),
     ("qwen2_moe", dict(ep=2), 2),

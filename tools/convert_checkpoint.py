@@ -1,7 +1,8 @@
 """HuggingFace safetensors <-> Megatron dist_checkpointing conversion.
 
-    # HF -> Megatron at TP=2 (2 CPU ranks spawned here; or run the same under torchrun)
-    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out CKPT --tp 2 --nproc 2
+    # HF -> Megatron at TP=2 (the layout's 2 CPU ranks spawned here unless --nproc says
+    # otherwise; or run the same under torchrun)
+    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out CKPT --tp 2
     # Megatron -> HF (any layout the checkpoint can be read at; default one process)
     python tools/convert_checkpoint.py mcore-to-hf --ckpt CKPT --out HF_OUT
 
@@ -11,11 +12,14 @@ HF tensors (engine.models.hf_io), and saves `dist_checkpointing` shards plus
 mcore-to-hf uses unless --hf-config is given. mcore-to-hf loads the checkpoint at the layout
 asked for and streams global tensors, one at a time, into HF safetensors shards. Peak memory
 per rank: its share of the model, plus (rank 0) the largest tensor and one output shard.
-Every failure is one ValueError and leaves no partial output directory (outputs are written
-into a temporary sibling and renamed at the end).
+Every argument is checked before any tensor is read; missing parents of --out are created.
+MoE models default to expert tensor parallel 1 (--etp). Every failure is one ValueError and
+leaves no partial output directory (outputs are written into a temporary sibling and renamed
+at the end).
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -76,7 +80,7 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from engine.models import hf_io
+    from engine.models import fp8, hf_io
     from engine.models.arch import arch_spec
     from engine.models.builder import build_model
     from parallel.mesh import init_mesh
@@ -102,7 +106,7 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
                 json.dump(meta, f, indent=2)
             cfg_dir = os.path.join(tmp, HF_CONFIG_DIR)
             os.makedirs(cfg_dir)
-            hf_config.save_pretrained(cfg_dir)
+            fp8.unquantised_config(hf_config).save_pretrained(cfg_dir)  # weights now dequantised
             hf_io.copy_side_files(hf_dir, cfg_dir)
             hf_io.publish(tmp, out_dir)
     except BaseException:
@@ -160,6 +164,8 @@ def gguf_to_hf(gguf_path, out_dir):
     import torch
     import transformers
 
+    from engine.models.hf_io import make_parent_dirs
+
     if not os.path.isfile(gguf_path):
         raise ValueError(f"--gguf {gguf_path!r} is not a file; pass the path of a .gguf file")
     if os.path.exists(out_dir):
@@ -174,7 +180,7 @@ def gguf_to_hf(gguf_path, out_dir):
     plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(out_dir)) or ".")
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=make_parent_dirs(out_dir))  # data/ may not exist yet
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -249,28 +255,86 @@ def parse_args(argv=None):
         s.add_argument("--pp", type=int, default=1)
         s.add_argument("--vpp", type=int, default=None)
         s.add_argument("--ep", type=int, default=1)
-        s.add_argument("--etp", type=int, default=None)
+        s.add_argument("--etp", type=int, default=None,
+                       help="expert tensor parallel size (MoE; default 1)")
         s.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                        help="with tp > 1 (Megatron requires it for MoE with TP)")
         s.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16")
         s.add_argument("--nproc", type=int, default=None,
-                       help="spawn this many gloo ranks here instead of running under torchrun")
+                       help="gloo ranks to spawn here (default: the layout's size; under "
+                            "torchrun, torchrun's ranks are used)")
         s.add_argument("--report-memory", action="store_true", help="print each rank's peak RSS")
     args = p.parse_args(argv)
     if args.command == "gguf-to-hf":
         return args
-    world = args.tp * args.pp
-    if args.nproc is not None and args.nproc < 1:
-        p.error(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nproc is None and "WORLD_SIZE" not in os.environ and world > 1:
-        p.error(f"layout tp={args.tp} x pp={args.pp} needs {world} ranks: add --nproc {world} "
-                "or run under torchrun")
+    for flag in ("tp", "pp", "ep", "etp", "vpp", "nproc"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag} must be >= 1, got {value}")
     return args
+
+
+def _min_world(layout):
+    """The fewest ranks that tile `layout`: TP x CP and the expert grid EP x ETP must both
+    divide the ranks of a pipeline stage."""
+    return layout.pp * math.lcm(layout.tp * layout.cp, layout.ep * layout.expert_tp)
+
+
+def _prepare(args):
+    """Check every argument before any work (and before ranks are spawned): inputs readable,
+    output new (its missing parents created), layout possible; fill in --etp and --nproc."""
+    from engine.models import hf_io
+    from engine.models.arch import arch_spec
+
+    if args.command == "gguf-to-hf":
+        if not os.path.isfile(args.gguf):
+            raise ValueError(f"--gguf {args.gguf!r} is not a file; pass the path of a .gguf file")
+        if os.path.exists(args.out):
+            raise ValueError(f"--out {args.out!r} already exists; choose a new directory")
+    elif args.command == "hf-to-mcore":
+        if not os.path.isdir(args.hf):
+            raise ValueError(f"--hf {args.hf!r} is not a directory; pass a HF model directory "
+                             "(config.json + *.safetensors)")
+        hf_config = hf_io.load_config(args.hf)
+        arch_spec(hf_config)  # unsupported architectures / RoPE fail here
+        hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf))
+    else:
+        if not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
+            raise ValueError(f"--ckpt {args.ckpt!r} is not a Megatron dist checkpoint (no "
+                             "metadata.json); pass the --out of an hf-to-mcore run")
+        config_dir = args.hf_config or os.path.join(args.ckpt, HF_CONFIG_DIR)
+        hf_config = hf_io.load_config(config_dir)
+    error = hf_io.check_new_output_dir(args.out)
+    if error:
+        raise ValueError(f"--out: {error}")
+    hf_io.make_parent_dirs(args.out)
+    if args.command == "gguf-to-hf":
+        return
+    if args.dtype != "auto":
+        _torch_dtype(args.dtype)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if args.etp is None and arch_spec(hf_config).num_experts:
+        # Megatron's default (etp = tp) needs ep x tp ranks per stage; experts whole per rank
+        # work at any tp and are what Megatron requires for biased expert layers anyway.
+        args.etp = 1
+        if rank0 and args.tp > 1:
+            print(f"--etp not given: expert tensor parallel 1 for this MoE model (experts whole "
+                  f"on each rank); pass --etp {args.tp} to split them over tp", flush=True)
+    layout = _layout(args)
+    if "WORLD_SIZE" in os.environ and args.nproc is None:
+        layout.check(int(os.environ["WORLD_SIZE"]))
+        return
+    if args.nproc is None:
+        args.nproc = _min_world(layout)
+        if args.nproc > 1:
+            print(f"--nproc not given: running the layout's {args.nproc} ranks here", flush=True)
+    layout.check(args.nproc)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:
+        _prepare(args)
         if args.command == "gguf-to-hf":
             gguf_to_hf(args.gguf, args.out)
         elif args.nproc and args.nproc > 1:

@@ -5,6 +5,9 @@ qk-norm, MoE router semantics, shared experts, MLA) is decided here and nowhere 
 """
 from dataclasses import dataclass, field
 
+import math
+
+import torch
 import torch.nn.functional as F
 
 
@@ -18,6 +21,7 @@ class ArchSpec:
     rotary_base: float
     tie_word_embeddings: bool
     moe_layer_pattern: list = field(default_factory=list)  # 1 = MoE layer, 0 = dense
+    rope_scaling: dict = field(default_factory=dict)  # non-MLA static scaling ({}: plain RoPE)
     multi_latent_attention: bool = False
 
     @property
@@ -41,20 +45,72 @@ def _rope_scaling(cfg):
     return {} if kind in ("default", None) else dict(params, rope_type=kind)
 
 
-def _rope_theta(cfg, allow_yarn=False):
-    if allow_yarn and _rope_scaling(cfg).get("rope_type") == "yarn":
-        params = getattr(cfg, "rope_parameters", None) or {}
-        return float(_get(cfg, "rope_theta") or params.get("rope_theta") or 10000.0)
+def _theta(cfg):
     params = getattr(cfg, "rope_parameters", None) or {}
-    theta = _get(cfg, "rope_theta") or params.get("rope_theta")
-    rope_type = params.get("rope_type", "default")
-    scaling = getattr(cfg, "rope_scaling", None)
-    if rope_type not in ("default", None) or (scaling and scaling.get("rope_type", scaling.get("type"))
-                                               not in ("default", None)):
-        raise ValueError(f"rope scaling {rope_type or scaling} of this checkpoint is not supported "
-                         "yet; only default RoPE is (remove rope_scaling from config.json to "
-                         "train at the original context length)")
-    return float(theta or 10000.0)
+    return float(_get(cfg, "rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+# The keys each static scaling needs, as transformers reads them (modeling_rope_utils).
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def _dense_rope(cfg):
+    """RoPE scaling of a non-MLA family: {} for plain RoPE, else the parameters that
+    `rope_inv_freq` turns into frequencies. Megatron's RotaryEmbedding holds fixed frequencies,
+    so only scalings that are a fixed function of the config can be expressed."""
+    scaling = _rope_scaling(cfg)
+    kind = scaling.get("rope_type")
+    if not kind:
+        return {}
+    if kind == "dynamic":
+        raise ValueError(
+            "rope_scaling.rope_type='dynamic' (dynamic NTK) is not supported: it recomputes the "
+            "RoPE frequencies per batch from the longest sequence, which Megatron's rotary "
+            "embedding (frequencies fixed at build time) cannot do; remove rope_scaling from "
+            "config.json (identical for sequences up to max_position_embeddings="
+            f"{cfg.max_position_embeddings})")
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported for "
+                         f"{architecture_of(cfg)}; supported: default, linear, llama3 (and yarn "
+                         "for DeepSeek-V3); remove rope_scaling from config.json to train at the "
+                         "original context length")
+    out = {"rope_type": kind}
+    for key in _ROPE_KEYS[kind]:
+        if scaling.get(key) is None:
+            raise ValueError(f"rope_scaling.{key} is missing from config.json for rope_type="
+                             f"{kind!r}; add it (needed: {', '.join(_ROPE_KEYS[kind])})")
+        out[key] = float(scaling[key])
+    if out["factor"] <= 0:
+        raise ValueError(f"rope_scaling.factor={out['factor']} must be > 0")
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(f"rope_scaling.high_freq_factor={out['high_freq_factor']} must be "
+                         f"greater than low_freq_factor={out['low_freq_factor']}")
+    return out
+
+
+def rope_inv_freq(theta: float, dim: int, scaling: dict) -> torch.Tensor:
+    """RoPE inverse frequencies [dim / 2] (fp32) with `scaling` applied as transformers does.
+
+    Computed here rather than by Megatron's RotaryEmbedding: its llama3 option takes only the
+    factor and hard-codes low/high_freq_factor = 1 / 4 and an 8192-token original context."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    kind = scaling.get("rope_type")
+    if not kind:
+        return inv
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv / factor
+    # llama3: long wavelengths (> original context / low_freq_factor) are divided by factor,
+    # short ones (< original context / high_freq_factor) kept, those between interpolated.
+    context = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    smooth = (context / wavelen - low) / (high - low)
+    between = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen > context / low, inv / factor,
+                       torch.where(wavelen < context / high, inv, between))
 
 
 def _check_activation(cfg):
@@ -90,8 +146,9 @@ def _dense(cfg, family, *, qkv_bias=False, qk_norm=False):
         ),
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rotary_base=_rope_theta(cfg),
+        rotary_base=_theta(cfg),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
+        rope_scaling=_dense_rope(cfg),
     )
 
 
@@ -158,8 +215,9 @@ def _mla_rope(cfg):
         # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
         return dict(rope_type="rope", rotary_scaling_factor=1.0)
     if scaling["rope_type"] != "yarn":
-        raise ValueError(f"rope scaling {scaling['rope_type']!r} is not supported for MLA; "
-                         "DeepSeek-V3 uses 'yarn' or none")
+        raise ValueError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported for "
+                         "DeepSeek-V3 (MLA): use 'yarn' as the released config does, or remove "
+                         "rope_scaling from config.json")
     return dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
                 beta_fast=float(scaling.get("beta_fast", 32)),
@@ -205,7 +263,7 @@ def _deepseek_v3(cfg):
         ),
         vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_position_embeddings,
-        rotary_base=_rope_theta(cfg, allow_yarn=True),
+        rotary_base=_theta(cfg),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
         multi_latent_attention=True,
     )

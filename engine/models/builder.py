@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from engine.models.arch import ArchSpec, arch_spec
+from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
 from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope
 
 
@@ -252,6 +252,15 @@ def decoder_block_spec(config, *, use_te: bool, vp_stage=None):
     return block if use_te else _swap_local_modules(block)
 
 
+def _set_rope_frequencies(model, arch: ArchSpec):
+    """Scaled RoPE (linear, llama3) as transformers computes it, in place of Megatron's plain
+    frequencies; before any forward, as RotaryEmbedding caches its output per length."""
+    rotary = model.rotary_pos_emb
+    dim = rotary.inv_freq.shape[0] * 2
+    inv_freq = rope_inv_freq(arch.rotary_base, dim, arch.rope_scaling)
+    rotary.inv_freq = inv_freq.to(rotary.inv_freq.device)
+
+
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 config_overrides: Optional[dict] = None,
@@ -291,6 +300,8 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
             vp_stage=stage,
             head=head,
         )
+        if arch.rope_scaling:
+            _set_rope_frequencies(model, arch)
         model.arch = arch
         chunks.append(model)
     return chunks

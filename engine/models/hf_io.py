@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models import weights
+from engine.models import fp8, weights
 from parallel.shards import gather_global, load_global, local_shards
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,6 +35,22 @@ _BUFFERS = re.compile(r"\.router\.expert_bias$")  # persistent buffers that are 
 
 
 # ----------------------------------------------------------------------------------- reading
+def _no_safetensors_message(hf_dir):
+    """Why a directory without safetensors cannot be read, with the command that fixes it."""
+    present = os.listdir(hf_dir)
+    if any(re.match(r"pytorch_model.*\.bin$", n) for n in present):
+        new = hf_dir.rstrip("/") + "-safetensors"
+        return (f"{hf_dir!r} holds PyTorch .bin weights (pytorch_model*.bin) but no "
+                "*.safetensors, and Trident reads safetensors only: convert once with "
+                f"transformers, AutoModelForCausalLM.from_pretrained({hf_dir!r})"
+                f".save_pretrained({new!r}) (and the same with AutoTokenizer), then pass {new!r}")
+    if any(n.endswith(".gguf") for n in present):
+        return (f"{hf_dir!r} holds a .gguf file but no *.safetensors; convert it with "
+                "python tools/convert_checkpoint.py gguf-to-hf --gguf FILE.gguf --out NEW_DIR")
+    return (f"{hf_dir!r} holds no *.safetensors files; pass a HuggingFace model directory "
+            "(config.json + model*.safetensors)")
+
+
 def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
     """hf_name -> (file, shape, dtype) from the safetensors headers of a HF model directory."""
     if not os.path.isdir(hf_dir):
@@ -47,8 +63,7 @@ def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
-        raise ValueError(f"{hf_dir!r} holds no *.safetensors files; convert .bin checkpoints "
-                         "with transformers' save_pretrained(safe_serialization=True) first")
+        raise ValueError(_no_safetensors_message(hf_dir))
     out = {}
     for name in files:
         path = os.path.join(hf_dir, name)
@@ -73,7 +88,17 @@ VALUE_HEAD = "value_head.weight"
 
 
 def validate_checkpoint(hf_config, index, head: str = "lm") -> None:
-    """One clear error unless the checkpoint holds exactly the tensors this config needs."""
+    """One clear error unless the checkpoint holds exactly the tensors this config needs
+    (block-wise fp8 weights with their `*_scale_inv` scales count as those tensors)."""
+    scales = fp8.validate(hf_config, index)
+    try:
+        _check_names(hf_config, {n: v for n, v in index.items() if n not in scales}, head)
+    except ValueError:
+        fp8.check_supported(hf_config)  # a quantised checkpoint explains a mismatch better
+        raise
+
+
+def _check_names(hf_config, index, head):
     expected = dict(weights.expected_hf_tensors(hf_config))
     if head == "value":
         for name in [n for n in expected if n not in index and n.startswith("lm_head.")]:
@@ -136,6 +161,8 @@ def load_hf_weights(chunks, hf_dir: str, hf_config=None) -> None:
             handles[path] = safe_open(path, framework="pt")
         return handles[path].get_slice(hf_name)
 
+    read = fp8.dequantising_reader(read, index, hf_config)
+
     def get(global_name):
         if global_name == VALUE_HEAD:
             return read(SCORE_HEAD) if SCORE_HEAD in index else None  # None: keep the init
@@ -197,18 +224,30 @@ def copy_side_files(src_dir: Optional[str], dst_dir: str):
 
 
 def check_new_output_dir(out_dir: str) -> Optional[str]:
-    """Why `out_dir` cannot be written, or None."""
+    """Why `out_dir` cannot be written, or None. Missing parents are fine: they are created
+    (as save_pretrained does) unless something in the way is a file or is read-only."""
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         return f"output directory {out_dir!r} already exists and is not empty; choose a new path"
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    if not os.path.isdir(parent):
-        return f"parent directory {parent!r} of the output does not exist; create it first"
+    ancestor = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        return f"output directory {out_dir!r} cannot be created: {ancestor!r} is a file; choose another path"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"output directory {out_dir!r} cannot be created: {ancestor!r} is not writable; choose another path"
     return None
+
+
+def make_parent_dirs(out_dir: str) -> str:
+    """Create the missing parents of `out_dir` (not `out_dir` itself); returns the parent."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    return parent
 
 
 def atomic_output_dir(out_dir: str) -> str:
     """A fresh temporary sibling of `out_dir` (same filesystem, so renaming is atomic)."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    parent = make_parent_dirs(out_dir)
     return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
 
 
@@ -307,7 +346,7 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
                     progress(i + 1, len(order), writer.total_bytes)
         if rank == 0:
             writer.finish()
-            hf_config.save_pretrained(tmp)
+            fp8.unquantised_config(hf_config).save_pretrained(tmp)  # the tensors are not fp8
             copy_side_files(source_dir, tmp)
             publish(tmp, out_dir)
         ok = True
