@@ -17,16 +17,17 @@ Isolation paths (`isolation()` says which one this machine gets; probed once):
 
 - "namespace" (Linux with `unshare`): the program runs in new network and PID namespaces.
   The network namespace has only a down loopback, so nothing (not even 127.0.0.1) can be
-  reached. The program is PID 1 of its namespace: killing it makes the kernel kill every
-  process in the namespace, including ones that left the process group (setsid, double fork).
-  As root, `unshare` drops to `user` (default nobody) inside the namespaces: root is exempt
-  from RLIMIT_NPROC (the kernel never counts uid 0), so without the drop a fork bomb would be
-  unlimited. Not root: a user namespace mapping the current user (`--map-current-user`).
+  reached. The run's first process (REAPER, which starts the program) is PID 1 of its
+  namespace: when it dies the kernel kills every process in the namespace, including ones that
+  left the process group (setsid, double fork). As root, `unshare` drops to `user` (default
+  nobody) inside the namespaces: the kernel never applies RLIMIT_NPROC to uid 0, so without
+  the drop a fork bomb would be unlimited. Not root: a user namespace mapping the current user (`--map-current-user`).
 - "process" (no usable `unshare`): a new session / process group, killed as a group plus
-  every descendant psutil finds; as root, still run as `user`. Network: a Python prelude
+  every descendant found in /proc; as root, still run as `user`. Network: a Python prelude
   replaces socket creation with PermissionError. This is best effort, not a security
-  boundary (ctypes can still reach libc), and a process that leaves its session and
-  double-forks can escape the kill.
+  boundary (ctypes can still reach libc). The reaper is a child subreaper, so processes that
+  leave the session still come back to it and are killed, unless the program kills the reaper
+  first (same user). Programs see, and can signal, other runs' processes of the same user.
 
 Not covered by either path: total disk use (RLIMIT_FSIZE is per file; a program may write many
 files, into its own directory or a world-writable one such as /tmp) and total memory across a
@@ -397,12 +398,24 @@ def _tail(path, limit):
         return f.read().decode(errors="replace")
 
 
+_ANNOUNCED = set()
+
+
+def _announce(cfg):
+    """Log once per setting which isolation path the runs take."""
+    key = (cfg.isolation, cfg.network, cfg.user, cfg.python)
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        logger.info(isolation(cfg).describe())
+
+
 def run(files: Dict[str, str], main: str, cfg=None, env: Optional[Dict[str, str]] = None,
         stdin: Optional[str] = None) -> Result:
     """Write `files` (name -> text) into a fresh directory and run `python main` there under
     the sandbox, `stdin` on its standard input (from an already unlinked file: no name a
     program could find it by); the directory and every process are gone when this returns."""
     cfg = config_from(cfg)
+    _announce(cfg)
     uid, gid, _ = _sandbox_uid(cfg)
     namespace = _probe(cfg.isolation, cfg.network, uid, gid)
     python = _python(cfg, uid)
