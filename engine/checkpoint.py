@@ -7,10 +7,18 @@ Layout of `root_dir`:
         {worker}/                  Megatron dist_checkpointing directory per worker ("actor", ...):
                                    model chunks, optimizer state, LR scheduler
         rng/rank_{r}.pt            python / numpy / torch (+ CUDA) / Megatron-tracker RNG states
-        trainer_state.pt           the trainer's dict (pickled, rank 0)
+        trainer_state.pt           the trainer's dict (rank 0)
         meta.json                  step, world size, layout, workers, what was saved
-        manifest.json              size + sha256 of every other file (written last)
+        manifest.json              size + CRC-32 of every other file (written last)
     latest_checkpointed_iteration.txt   the newest step (verl's name), replaced atomically
+
+Verified (engine/checkpoint_files.py): before the manifest is written every file is fsynced
+(each node syncs what it wrote); the checksums are computed by all ranks, each a share of the
+files. Loading checks the manifest: sizes always, checksums unless verify="size". resume_mode
+auto takes the newest checkpoint that passes and falls back, with a warning, past a damaged
+or incomplete one. Nothing is unpickled beyond torch.load(weights_only=True): numpy values
+(numpy's RNG state, in the trainer state too) are stored as tensors and restored as numpy.
+A model or optimizer holding NaN / Inf is never saved (NonFiniteError, nothing written).
 
 Atomicity: everything is written into `.tmp-step_{N}` and renamed to `global_step_{N}` by rank 0
 only after every rank finished writing and the manifest is on disk. A crash at any point (even
@@ -26,7 +34,6 @@ the 2-rank tests) but needs the same TP/PP. To change TP/PP, load with `load_opt
 `fully_sharded_model_space` fails to build ("flattened_range is not supported") and
 `fully_reshardable` fails to load into torch Adam (KeyError 'step').
 """
-import hashlib
 import json
 import logging
 import os
@@ -39,129 +46,70 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint_files import (MANIFEST_FILE, TMP_PREFIX, VERIFY_LEVELS, CheckpointError,
+                                     NonFiniteError, fsync_dir, load_safe, make_durable,
+                                     manifest_entries, save_safe, verify_checkpoint,
+                                     verify_manifest, write_atomic, write_manifest)
+from engine.checkpoint_files import barrier as _barrier
+from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
+from engine.checkpoint_files import raise_if_any as _raise_if_any
+from engine.checkpoint_files import rank as _rank
+from engine.checkpoint_files import world as _world
+
+__all__ = ["CheckpointError", "CheckpointManager", "NonFiniteError", "verify_manifest",
+           "write_manifest"]
+
 logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
-TMP_PREFIX = ".tmp-"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 manifest, weights_only-safe pickles
 RESUME_MODES = ("auto", "disable", "resume_path")
 OPTIM_SHARDING = "dp_reshardable"
 _WORKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: incomplete, corrupted or not matching the model."""
+# -- finite values -------------------------------------------------------------------------
+def _non_finite(worker):
+    """Names of the worker's non-finite tensors: model parameters, then the optimizer's main
+    parameters and float state (one host sync per device, not one per tensor)."""
+    named = [(f"parameter {n!r}", p) for m in worker.models for n, p in m.named_parameters()]
+    if worker.optimizer is not None:
+        k = 0
+        for opt in _torch_optimizers(worker):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    named.append((f"optimizer main parameter #{k}", p))
+                    for key, v in opt.state.get(p, {}).items():
+                        if torch.is_tensor(v) and v.is_floating_point():
+                            named.append((f"optimizer state {key!r} of main parameter #{k}", v))
+                    k += 1
+    by_device = {}
+    for i, (_, t) in enumerate(named):
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    bad = []
+    with torch.no_grad():
+        for indices in by_device.values():
+            ok = torch.stack([torch.isfinite(named[i][1]).all() for i in indices]).cpu().tolist()
+            bad += [named[i][0] for i, good in zip(indices, ok) if not good]
+    return bad
 
 
-# -- distributed helpers (work without torch.distributed too) ---------------------------------
-def _world():
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _on_rank0_then_share(fn):
-    """Run `fn()` on rank 0; every rank gets its result or raises its error (as ValueError /
-    RuntimeError), so no rank is left waiting in a collective after a failure on rank 0."""
-    box, error = [None], None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # shared, then raised on every rank
-            box[0], error = ("error", (type(e), str(e))), e
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if error is not None:
-        raise error
-    if kind == "error":
-        cls, msg = value
-        raise (cls if issubclass(cls, ValueError) else RuntimeError)(f"on rank 0: {msg}")
-    return value
-
-
-def _raise_if_any(message: Optional[str]):
-    """Every rank raises if any rank found a problem (the first rank's message)."""
-    messages = [message]
-    if dist.is_initialized():
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-    found = [m for m in messages if m]
-    if found:
-        raise CheckpointError(found[0])
-
-
-# -- files ------------------------------------------------------------------------------------
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path, data: bytes):
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f"{TMP_PREFIX}{name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(directory or ".")
-
-
-def _sha256(path, block=1 << 22):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(block), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _files_under(directory):
-    out = []
-    for dirpath, _, names in os.walk(directory):
-        for name in names:
-            out.append(os.path.relpath(os.path.join(dirpath, name), directory))
-    return sorted(f for f in out if f != MANIFEST_FILE)
-
-
-def write_manifest(directory):
-    files = {f: dict(size=os.path.getsize(os.path.join(directory, f)),
-                     sha256=_sha256(os.path.join(directory, f))) for f in _files_under(directory)}
-    _write_atomic(os.path.join(directory, MANIFEST_FILE),
-                  json.dumps(dict(version=FORMAT_VERSION, files=files), indent=1).encode())
-
-
-def verify_manifest(directory):
-    """Raise CheckpointError naming the first missing, extra-sized or corrupted file."""
-    path = os.path.join(directory, MANIFEST_FILE)
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {directory!r} has no {MANIFEST_FILE}: it is incomplete "
-                              "(a save that did not finish); resume from another checkpoint")
-    with open(path) as f:
-        files = json.load(f)["files"]
-    for rel, want in files.items():
-        full = os.path.join(directory, rel)
-        if not os.path.exists(full):
-            raise CheckpointError(f"checkpoint {directory!r} is missing the file {rel!r} listed in "
-                                  f"its {MANIFEST_FILE}; the checkpoint is damaged, use another one")
-        size = os.path.getsize(full)
-        if size != want["size"]:
-            raise CheckpointError(f"checkpoint file {full!r} has {size} bytes, its manifest says "
-                                  f"{want['size']}; the file is corrupted, use another checkpoint")
-        if _sha256(full) != want["sha256"]:
-            raise CheckpointError(f"checkpoint file {full!r} does not match the sha256 in its "
-                                  f"{MANIFEST_FILE}; the file is corrupted, use another checkpoint")
+def _check_finite(workers, step):
+    problem = None
+    for name in sorted(workers):
+        bad = _non_finite(workers[name])
+        if bad:
+            problem = (f"refusing to save step {step}: worker {name!r} has NaN/Inf in {bad[0]}"
+                       f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''} (rank "
+                       f"{_rank()}); a checkpoint must hold a usable model. Roll back to the last "
+                       "good checkpoint (or lower the learning rate / skip the batch) and go on")
+            break
+    _raise_if_any(problem, NonFiniteError)
 
 
 # -- RNG --------------------------------------------------------------------------------------
@@ -314,30 +262,52 @@ class CheckpointManager:
 
     keep_last: keep this many newest checkpoints (None: all); older ones are deleted only
     after a new one is complete.
+    verify: what loading checks against the manifest: "checksum" (sizes and checksums) or
+    "size" (sizes only: for huge checkpoints on slow storage).
     """
 
-    def __init__(self, root_dir: str, keep_last: Optional[int] = None, rank: Optional[int] = None):
+    def __init__(self, root_dir: str, keep_last: Optional[int] = None, rank: Optional[int] = None,
+                 verify: str = "checksum"):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint, or None for all "
                              "(trainer.max_actor_ckpt_to_keep)")
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"trainer.checkpoint_verify={verify!r}: use one of {VERIFY_LEVELS} "
+                             "(checksum reads every file; size only compares lengths)")
         self.root_dir = os.path.abspath(root_dir)
         self.keep_last = keep_last
+        self.verify = verify
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self._verified = {}  # path -> level, by resolve(), so load() does not read it all again
+
+    def _level(self, verify):
+        if verify is None:
+            return self.verify
+        if isinstance(verify, bool):  # the older boolean form: sizes are always checked
+            return "checksum" if verify else "size"
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"verify={verify!r}: use one of {VERIFY_LEVELS}")
+        return verify
+
+    def _check(self, path, level, just_verified_ok=False) -> Optional[str]:
+        """Collective: the problem with the checkpoint at `path`, or None. A pass is remembered
+        for the next load() only (resolve() then load() reads the files once); any other call
+        verifies afresh."""
+        if just_verified_ok and self._verified.pop(path, None) in (level, "checksum"):
+            return None
+        self._verified.pop(path, None)
+        problem = verify_checkpoint(path, level)
+        if problem is None:
+            self._verified[path] = level
+        return problem
 
     # -- finding checkpoints ------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root_dir, f"{STEP_PREFIX}{step}")
 
     def complete_steps(self):
-        """Steps of complete checkpoints (final name + manifest), ascending."""
-        if not os.path.isdir(self.root_dir):
-            return []
-        steps = []
-        for name in os.listdir(self.root_dir):
-            if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-                if os.path.exists(os.path.join(self.root_dir, name, MANIFEST_FILE)):
-                    steps.append(int(name[len(STEP_PREFIX):]))
-        return sorted(steps)
+        """Steps of complete checkpoints (final name + manifest), ascending; not verified."""
+        return self._step_dirs()[0]
 
     def latest(self) -> Optional[str]:
         """The newest complete checkpoint, or None. Directory listing, not the tracker file, is
@@ -345,15 +315,32 @@ class CheckpointManager:
         steps = self.complete_steps()
         return self.step_dir(steps[-1]) if steps else None
 
-    def resolve(self, resume_mode: str, resume_from_path: Optional[str] = None) -> Optional[str]:
-        """`trainer.resume_mode`: auto -> latest() (None for a fresh run); disable -> None;
-        resume_path -> `resume_from_path`, which must be a complete checkpoint."""
+    def _step_dirs(self):
+        """(complete steps, names of final-named directories without a manifest)."""
+        steps, incomplete = [], []
+        if os.path.isdir(self.root_dir):
+            for name in sorted(os.listdir(self.root_dir)):
+                if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+                    if os.path.exists(os.path.join(self.root_dir, name, MANIFEST_FILE)):
+                        steps.append(int(name[len(STEP_PREFIX):]))
+                    else:
+                        incomplete.append(name)
+        return sorted(steps), incomplete
+
+    def resolve(self, resume_mode: str, resume_from_path: Optional[str] = None,
+                verify=None) -> Optional[str]:
+        """`trainer.resume_mode`: auto -> the newest checkpoint that passes verification, past
+        damaged or incomplete ones with a warning (None for a fresh run; CheckpointError when
+        there are checkpoints but none is usable); disable -> None; resume_path ->
+        `resume_from_path`, which must be a complete, undamaged checkpoint. Collective when
+        torch.distributed is initialised (the verification is spread over the ranks)."""
         if resume_mode not in RESUME_MODES:
             raise ValueError(f"trainer.resume_mode={resume_mode!r}; use one of {RESUME_MODES}")
         if resume_mode == "disable":
             return None
+        level = self._level(verify)
         if resume_mode == "auto":
-            return self.latest()
+            return self._newest_usable(level)
         if not resume_from_path:
             raise ValueError("trainer.resume_from_path is empty but trainer.resume_mode="
                              "'resume_path'; give the global_step_N directory to resume from")
@@ -365,17 +352,47 @@ class CheckpointManager:
             raise ValueError(f"trainer.resume_from_path={resume_from_path!r} is not a complete "
                              f"checkpoint (no {MANIFEST_FILE}: the save did not finish); pick "
                              "another global_step_N directory")
+        problem = self._check(path, level)
+        if problem:
+            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")
         return path
+
+    def _newest_usable(self, level):
+        steps, incomplete = _on_rank0_then_share(self._step_dirs)
+        if incomplete and self.rank == 0:
+            logger.warning("checkpoint(s) %s under %s have no %s: incomplete saves, ignored",
+                           incomplete, self.root_dir, MANIFEST_FILE)
+        problems = []
+        for step in reversed(steps):
+            path = self.step_dir(step)
+            problem = self._check(path, level)
+            if problem is None:
+                if problems and self.rank == 0:
+                    logger.warning("resuming from %s, the newest usable checkpoint", path)
+                return path
+            problems.append(problem)
+            if self.rank == 0:
+                logger.warning("checkpoint %s is unusable, falling back to the previous one: %s",
+                               path, problem)
+        if problems or incomplete:
+            first = problems[0] if problems else f"{incomplete} are incomplete"
+            raise CheckpointError(f"no usable checkpoint under {self.root_dir!r} ({first}); "
+                                  "restore or remove the damaged global_step_N directories, or set "
+                                  "trainer.resume_mode=disable to start from scratch")
+        return None
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, workers: Dict[str, object], trainer_state: dict) -> str:
         """Save every worker, this rank's RNG and (rank 0) `trainer_state`; return the final
-        directory. Collective over all ranks."""
+        directory. Collective over all ranks. Raises NonFiniteError, writing nothing, when a
+        worker's weights or optimizer state hold NaN / Inf; CheckpointError, writing nothing,
+        when `trainer_state` holds a value weights_only loading could not restore."""
         from megatron.core import dist_checkpointing
 
         for name in workers:
             if not _WORKER_NAME.match(name) or name == RNG_DIR:
                 raise ValueError(f"worker name {name!r}: use letters, digits and '_' (not {RNG_DIR!r})")
+        _check_finite(workers, step)
         tmp = os.path.join(self.root_dir, f"{TMP_PREFIX}step_{step}")
         names = sorted(workers)
 
@@ -385,6 +402,7 @@ class CheckpointManager:
             for name in names:
                 os.makedirs(os.path.join(tmp, name))
             os.makedirs(os.path.join(tmp, RNG_DIR))
+            save_safe(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE), "trainer_state")
         _on_rank0_then_share(prepare)
 
         saved = {}
@@ -400,25 +418,32 @@ class CheckpointManager:
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=worker.scheduler is not None,
                                chunks=len(worker.models), adam_step=_adam_step(worker))
-        torch.save(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"))
-        _barrier()
+        save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
+                  f"the RNG state of rank {self.rank}")
+        layout = _layout()
 
-        def publish():
-            torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE))
-            meta = dict(version=FORMAT_VERSION, step=step, layout=_layout(), workers=saved,
+        def write_meta():
+            meta = dict(version=FORMAT_VERSION, step=step, layout=layout, workers=saved,
                         optim_sharding=OPTIM_SHARDING)
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
-            write_manifest(tmp)  # the last file: its presence marks the checkpoint complete
+        _on_rank0_then_share(write_meta)
+        _barrier()  # every rank's files are written
+        files = make_durable(tmp)
+        entries = manifest_entries(tmp, files)
+
+        def publish():
+            write_manifest(tmp, entries)  # the last file: its presence marks the checkpoint complete
             final = self.step_dir(step)
             if os.path.exists(final):  # re-saving a step: move the old one aside first
                 os.rename(final, os.path.join(self.root_dir, f"{TMP_PREFIX}old-step_{step}"))
             os.rename(tmp, final)
-            _fsync_dir(self.root_dir)
-            _write_atomic(os.path.join(self.root_dir, TRACKER_FILE), f"{step}\n".encode())
+            fsync_dir(self.root_dir)
+            write_atomic(os.path.join(self.root_dir, TRACKER_FILE), f"{step}\n".encode())
             self._prune()
             self._remove_leftovers()
             return final
+        self._verified.clear()  # what resolve() checked may have been replaced or pruned
         return _on_rank0_then_share(publish)  # every rank waits for the rename
 
     def _remove_leftovers(self):
@@ -441,23 +466,28 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------------
     def load(self, path: str, workers: Dict[str, object], *, load_optimizer: bool = True,
-             verify: bool = True) -> dict:
+             verify=None) -> dict:
         """Restore `workers` (models, optimizers, schedulers) and this rank's RNG from `path`;
-        return the trainer state. Collective over all ranks."""
+        return the trainer state. Collective over all ranks. `path` is verified first (verify:
+        None = the manager's level, "checksum", "size"; True / False = checksum / size) unless
+        resolve() just verified it."""
         from megatron.core import dist_checkpointing
 
         path = os.path.abspath(path)
 
-        def check():
+        def exists():
             if not os.path.isdir(path):
                 raise CheckpointError(f"checkpoint {path!r} does not exist")
-            if verify:
-                verify_manifest(path)
-            elif not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-                raise CheckpointError(f"checkpoint {path!r} is incomplete (no {MANIFEST_FILE})")
+        _on_rank0_then_share(exists)
+        problem = self._check(path, self._level(verify), just_verified_ok=True)
+        self._verified.pop(path, None)  # a later load checks again
+        if problem:
+            raise CheckpointError(problem)
+
+        def read_meta():
             with open(os.path.join(path, META_FILE)) as f:
                 return json.load(f)
-        meta = _on_rank0_then_share(check)
+        meta = _on_rank0_then_share(read_meta)
 
         if load_optimizer and workers and any(w["optimizer"] for w in meta["workers"].values()):
             here = _layout()
@@ -494,10 +524,10 @@ class CheckpointManager:
 
         rng_file = os.path.join(path, RNG_DIR, f"rank_{self.rank}.pt")
         if meta["layout"]["world_size"] == _world() and os.path.exists(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_safe(rng_file))
         else:
             logger.warning("checkpoint %s was saved on %s ranks, this run has %s: RNG states are "
                            "not restored", path, meta["layout"]["world_size"], _world())
-        trainer_state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+        trainer_state = load_safe(os.path.join(path, TRAINER_STATE_FILE))
         _barrier()
         return trainer_state

@@ -2,6 +2,9 @@
 
 `arith`: prompts like "3+4=" whose answer ("7") the policy must emit, then stop (eos).
 `copy`:  prompts like "47=" whose answer is the digits before "=" ("47").
+`code`:  "write a Python function ..." prompts checked by asserts in the sandbox
+         (data_source "code_asserts", engine/rewards/code.py); needs a real model's tokenizer
+         (the character-level one has no letters).
 
 `difficulty` sets how hard it is to learn from random init:
 
@@ -9,9 +12,11 @@
     arith 1: a+b, a, b in 0..9          (answer one or two tokens)
     arith 2: a+b or a-b, a, b in 0..99  (answer up to three tokens, may be negative)
     copy  d: a number with d+1 digits
+    code  0: a one-line function; 1: a loop; 2: a small algorithm
 
 Rows follow the parquet prompt schema of engine/data.py; their `data_source` selects the
-graded reward in engine/rewards/arith.py (dense enough for GRPO to rise from random init).
+reward: for arith / copy the graded one of engine/rewards/arith.py (dense enough for GRPO to
+rise from random init), for code the sandboxed tests.
 """
 import random
 
@@ -24,7 +29,7 @@ CHARACTERS = list("0123456789+-*= #")
 # The template only prepends bos: the prompt text itself is the whole "conversation".
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
-BUILTIN_TASKS = ("arith", "copy")
+BUILTIN_TASKS = ("arith", "copy", "code")
 
 
 def build_tokenizer():
@@ -63,11 +68,82 @@ def _copy_example(rng, difficulty):
     return f"{digits}=", digits
 
 
+# -- code ---------------------------------------------------------------------------------
+_FIB = """def fib_mod(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, (a + b) % {m}
+    return a
+"""
+_RLE = """def rle(s):
+    out = []
+    for ch in s:
+        if out and out[-1][0] == ch:
+            out[-1][1] += 1
+        else:
+            out.append([ch, 1])
+    return "".join(c + str(n) for c, n in out)
+"""
+
+
+def _code_problems(rng, difficulty):
+    """[(signature, what it does, reference source, input sampler)] of a level; the asserts
+    come from running the reference, so they are right by construction."""
+    k, m, c = rng.randint(2, 9), rng.randint(10, 97), rng.choice("abcde")
+
+    def ints():
+        return rng.randint(-50, 50)
+
+    def word():
+        return "".join(rng.choice("abcde") for _ in range(rng.randint(0, 8)))
+
+    def naturals():
+        return rng.randint(0, 300)
+
+    return [
+        [("add_k(x)", f"returns x plus {k}", f"def add_k(x):\n    return x + {k}\n", ints),
+         ("times_k(x)", f"returns x multiplied by {k}", f"def times_k(x):\n    return x * {k}\n", ints),
+         ("is_multiple(x)", f"returns True when x is divisible by {k}, else False",
+          f"def is_multiple(x):\n    return x % {k} == 0\n", ints),
+         ("repeat(s)", f"returns the string s repeated {k} times",
+          f"def repeat(s):\n    return s * {k}\n", word)],
+        [("count_char(s)", f"returns how many times the character {c!r} occurs in s",
+          f"def count_char(s):\n    return sum(ch == {c!r} for ch in s)\n", word),
+         ("sum_multiples(n)", f"returns the sum of the integers in 0..n-1 divisible by {k}",
+          f"def sum_multiples(n):\n    return sum(range(0, n, {k}))\n", naturals),
+         ("digit_sum(n)", "returns the sum of the decimal digits of the non-negative integer n",
+          "def digit_sum(n):\n    return sum(int(d) for d in str(n))\n", naturals)],
+        [("fib_mod(n)", f"returns the n-th Fibonacci number (fib_mod(0) == 0, fib_mod(1) == 1) "
+          f"modulo {m}", _FIB.format(m=m), naturals),
+         ("rle(s)", "returns the run-length encoding of s: each run of one character as the "
+          "character followed by the run's length, e.g. rle('aab') == 'a2b1'", _RLE, word)],
+    ][difficulty]
+
+
+def _code_example(rng, difficulty):
+    """(prompt, tests, entry point, reference solution) of one `code` problem."""
+    signature, does, reference, sample = rng.choice(_code_problems(rng, difficulty))
+    name = signature.split("(")[0]
+    scope = {}
+    exec(reference, scope)  # our own reference source, not model output
+    inputs = []
+    while len(inputs) < 5:
+        value = sample()
+        if value not in inputs:
+            inputs.append(value)
+    tests = "\n".join(f"assert {name}({x!r}) == {scope[name](x)!r}" for x in inputs)
+    prompt = (f"Write a Python function `{signature}` that {does}. Reply with the function only, "
+              "in a ```python code block.")
+    return prompt, tests, name, reference
+
+
 _GENERATORS = {"arith": _arith_example, "copy": _copy_example}
 
 
 def make_rows(name, n, seed, difficulty=0, split="train"):
     """`n` rows of task `name` in the parquet prompt schema, reproducible from `seed`."""
+    if name == "code":
+        return _code_rows(n, seed, difficulty, split)
     if name not in _GENERATORS:
         raise ValueError(f"unknown built-in task {name!r}; choose one of {list(BUILTIN_TASKS)}")
     if difficulty not in (0, 1, 2):
@@ -82,6 +158,24 @@ def make_rows(name, n, seed, difficulty=0, split="train"):
             "ability": "arithmetic",
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": split, "index": index, "difficulty": difficulty},
+        })
+    return rows
+
+
+def _code_rows(n, seed, difficulty, split):
+    if difficulty not in (0, 1, 2):
+        raise ValueError(f"difficulty={difficulty!r} for task 'code'; choose 0, 1 or 2")
+    rng = random.Random(f"code-{difficulty}-{split}-{seed}")
+    rows = []
+    for index in range(n):
+        prompt, tests, entry_point, reference = _code_example(rng, difficulty)
+        rows.append({
+            "data_source": "code_asserts",
+            "prompt": [{"role": "user", "content": prompt}],
+            "ability": "code",
+            "reward_model": {"style": "rule", "ground_truth": tests},
+            "extra_info": {"split": split, "index": index, "difficulty": difficulty,
+                           "entry_point": entry_point, "reference": reference},
         })
     return rows
 

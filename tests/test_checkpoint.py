@@ -82,7 +82,7 @@ def _resume_run(layout_kwargs, root):
     restored = _actor(weight_salt="-other")
     differed = any(not torch.equal(t, at_save[n]) for n, t in _weights(restored).items())
     _draws()  # move every generator away from the saved states
-    resumed_state = manager.load(manager.latest(), {"actor": restored})
+    resumed_state = manager.load(manager.resolve("auto"), {"actor": restored})  # verified
     draws_after_load = _draws()
     loaded = _weights(restored)
     lr_loaded = restored.optimizer.param_groups[0]["lr"]
@@ -210,8 +210,8 @@ _KILLED_SAVE = textwrap.dedent("""
     manager = checkpoint.CheckpointManager({ckpt!r})
     manager.save(1, {{}}, {{"global_steps": 1}})
     real = checkpoint.write_manifest
-    def die(directory):
-        real(directory)  # the new checkpoint is fully written, only the rename is missing
+    def die(directory, *args):
+        real(directory, *args)  # the new checkpoint is fully written, only the rename is missing
         os.kill(os.getpid(), signal.SIGKILL)
     checkpoint.write_manifest = die
     manager.save(2, {{}}, {{"global_steps": 2}})

@@ -12,12 +12,15 @@ import os
 
 import torch
 
-from engine.rewards.registry import default_compute_score
+from engine.rewards import sandbox
+from engine.rewards.registry import compute_scores, default_compute_score
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _score_items(compute_score, items):
+    if compute_score is default_compute_score:  # batch rewards (sandboxed code) run together
+        return compute_scores(items)
     return [compute_score(*item) for item in items]
 
 
@@ -54,8 +57,11 @@ class RewardManager:
             if not ray.is_initialized():
                 # Workers must import engine.rewards by name, as the driver does.
                 path = os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+                env = {"PYTHONPATH": path}
+                if sandbox.ENV_VAR in os.environ:  # the configured sandbox limits
+                    env[sandbox.ENV_VAR] = os.environ[sandbox.ENV_VAR]
                 ray.init(num_cpus=self.num_workers, include_dashboard=False, log_to_driver=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": path}})
+                         runtime_env={"env_vars": env})
                 self._started_ray = True
             actor = ray.remote(num_cpus=1)(_ScoreWorker)
             self._workers = [actor.remote(self.compute_score) for _ in range(self.num_workers)]

@@ -3,7 +3,7 @@
 A score function returns a float, or a dict with a "score" key plus extra fields (e.g. "acc")
 that the manager reports as reward_extra_info.
 """
-from engine.rewards import arith, gsm8k, math_verify, reasoning_gym
+from engine.rewards import arith, code, gsm8k, math_verify, reasoning_gym
 
 
 def _math(solution_str, ground_truth, extra_info=None):
@@ -18,6 +18,14 @@ def _arith(solution_str, ground_truth, extra_info=None):
     return arith.compute_score(solution_str, ground_truth)
 
 
+def _code(solution_str, ground_truth, extra_info=None):
+    return code.compute_score(solution_str, ground_truth, extra_info)
+
+
+def _code_batch(items):
+    return code.compute_scores(items)
+
+
 _REWARDS = {
     "openai/gsm8k": _gsm8k,
     "gsm8k": _gsm8k,
@@ -27,16 +35,26 @@ _REWARDS = {
     "math": _math,
     "arith": _arith,
     "copy": _arith,
+    code.DATA_SOURCE: _code,
 }
+# data sources whose samples are better scored together (e.g. concurrently):
+# fn([(solution_str, ground_truth, extra_info), ...]) -> list of results
+_BATCH_REWARDS = {code.DATA_SOURCE: _code_batch}
 
 
 def known_data_sources():
     return sorted(_REWARDS) + [reasoning_gym.PREFIX + "<task>"]
 
 
-def register_reward(data_source, fn):
-    """Add (or replace) the rule reward of `data_source`: fn(solution_str, ground_truth, extra_info)."""
+def register_reward(data_source, fn, batch_fn=None):
+    """Add (or replace) the rule reward of `data_source`: fn(solution_str, ground_truth, extra_info);
+    optionally batch_fn(list of (solution_str, ground_truth, extra_info)) -> list of results,
+    used by `compute_scores` for a batch's samples of that data source."""
     _REWARDS[data_source] = fn
+    if batch_fn is None:
+        _BATCH_REWARDS.pop(data_source, None)
+    else:
+        _BATCH_REWARDS[data_source] = batch_fn
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -49,3 +67,20 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
                          f"{known_data_sources()}. Register one with "
                          "engine.rewards.register_reward(data_source, fn) or pass compute_score=")
     return fn(solution_str, ground_truth, extra_info)
+
+
+def compute_scores(items):
+    """default_compute_score over (data_source, solution_str, ground_truth, extra_info) items,
+    in order; the samples of a data source with a batch reward go to it in one call."""
+    results = [None] * len(items)
+    batches = {}
+    for i, (source, solution, truth, extra) in enumerate(items):
+        if source in _BATCH_REWARDS:
+            batches.setdefault(source, []).append((i, (solution, truth, extra)))
+        else:
+            results[i] = default_compute_score(source, solution, truth, extra)
+    for source, group in batches.items():
+        scores = _BATCH_REWARDS[source]([item for _, item in group])
+        for (i, _), score in zip(group, scores):
+            results[i] = score
+    return results
