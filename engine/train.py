@@ -137,6 +137,8 @@ def build(cfg, world_size) -> Components:
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
+    from engine.rewards import sandbox
+    sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
     reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
@@ -149,7 +151,8 @@ def build(cfg, world_size) -> Components:
     if cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable":
         from engine.checkpoint import CheckpointManager
         checkpoints = CheckpointManager(cfg.trainer.default_local_dir,
-                                        keep_last=cfg.trainer.max_actor_ckpt_to_keep)
+                                        keep_last=cfg.trainer.max_actor_ckpt_to_keep,
+                                        verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
                                train_data, val_data, checkpoints, peak, reward_model)

@@ -249,6 +249,9 @@ class RewardModelConfig:
     reward_manager: RewardManager = "naive"
     num_workers: int = 0  # Ray pool size for rule rewards; 0: in process
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    # code rewards' sandbox limits: the fields of engine.rewards.sandbox.SandboxConfig (timeout_s,
+    # cpu_s, memory_mb, max_file_mb, max_procs, network, max_concurrency, ...), checked there
+    sandbox: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -296,6 +299,7 @@ class TrainerConfig:
     default_local_dir: Optional[str] = None  # null: checkpoints/{project_name}/{experiment_name}
     resume_mode: ResumeMode = "auto"
     resume_from_path: Optional[str] = None
+    checkpoint_verify: Literal["checksum", "size"] = "checksum"  # what loading checks in the manifest
     max_actor_ckpt_to_keep: Optional[int] = None  # null: keep all
     save_hf: bool = False
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}

@@ -210,6 +210,11 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
     _check(rm.overlong_buffer, f"{p}.overlong_buffer", "len", ge=0)
     _check(rm.overlong_buffer, f"{p}.overlong_buffer", "penalty_factor", ge=0.0)
     _validate_megatron(rm.megatron, f"{p}.megatron", is_actor=False)
+    from engine.rewards.sandbox import config_from
+    try:
+        config_from(rm.sandbox)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if rm.enable and rm.model.path is None:
         _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
               "set it, or set reward_model.enable=false to use rule rewards")
