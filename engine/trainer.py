@@ -23,7 +23,7 @@ from engine.algorithms.losses import apply_kl_penalty
 from engine.batch import Batch
 from engine.data import PromptLoader, left_pad
 from engine.hybrid import HybridEngine
-from engine.perf import CommTimer, step_flops
+from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
 from engine.rollout.base import SamplingParams
 from parallel.cpu import suspended as cpu_function_mode_suspended
@@ -71,8 +71,11 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        workers = {"actor": self.actor, "critic": self.critic, "ref": self.ref,
+                   "reward_model": self.reward_model}
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
-                                   arr.rollout.update_weights_bucket_megabytes)
+                                   arr.rollout.update_weights_bucket_megabytes, derived.phases,
+                                   {k: w for k, w in workers.items() if w is not None})
         self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
                                     experiment=None, total_steps=self.total_steps,
                                     rank=self.rank)
@@ -109,6 +112,7 @@ class Trainer:
             out = os.path.join(trainer.default_local_dir, "hf", f"step_{self.step_count}")
             source = self.cfg.actor_rollout_ref.model.path
             os.makedirs(os.path.dirname(out), exist_ok=True)
+            self.hybrid.enter("checkpoint")
             dist.barrier()
             save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
             if self.rank == 0 and not source:  # a built-in task's tokenizer
@@ -122,8 +126,7 @@ class Trainer:
         cfg, alg = self.cfg, self.cfg.algorithm
         with Timer("step", timings):
             with self._phase("update_weights", timings):
-                sync = self.sync_weights()
-            self._offload_training(True)
+                sync = self.sync_weights()  # ends in the generate phase (engine/config/phases.py)
             with self._phase("gen", timings):
                 batch = self.generate(prompts, self._sampling(train=True))
             if alg.adv_estimator == "remax":
@@ -132,21 +135,23 @@ class Trainer:
                                              n=1)
                 batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
                     cfg.actor_rollout_ref.rollout.n)
-            self.hybrid.to_training()
-            self._offload_training(False)
+            self.hybrid.enter("reward")
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
+                self.hybrid.enter("old_log_prob")
                 with self._phase("old_log_prob", timings):
                     batch["old_log_probs"] = self.actor.compute_log_prob(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
                         **self._log_prob_split("rollout"))
             if self.ref is not None:
+                self.hybrid.enter("ref")
                 with self._phase("ref", timings):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
                         **self._log_prob_split("ref"))
             if self.critic is not None:
+                self.hybrid.enter("values")
                 with self._phase("values", timings):
                     batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
             metrics = {}
@@ -154,8 +159,10 @@ class Trainer:
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
             if self.critic is not None:
+                self.hybrid.enter("critic_update")
                 with self._phase("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch))
+            self.hybrid.enter("actor_update")
             with self._phase("update_actor", timings):
                 metrics.update(self.actor.update_policy(
                     batch, temperature=cfg.actor_rollout_ref.rollout.temperature))
@@ -176,8 +183,9 @@ class Trainer:
 
     # -- steps -----------------------------------------------------------------------------
     def sync_weights(self):
-        """The rollout engine takes its memory back and receives the actor's current weights."""
-        return self.hybrid.to_rollout()
+        """The colocated sync: training state out, the actor's weights into the rollout engines,
+        their KV cache in; ends in the generate phase."""
+        return self.hybrid.sync()
 
     @contextlib.contextmanager
     def _phase(self, name, timings):
@@ -188,12 +196,6 @@ class Trainer:
             yield
         if self.comm is not None:
             self.comm.phase = "other"
-
-    def _offload_training(self, offload):
-        """While the rollout engine generates, the models give back what their config offloads."""
-        for worker in (self.actor, self.critic, self.ref):
-            if worker is not None:
-                worker.offload() if offload else worker.reload()
 
     def _sampling(self, train=True, greedy=False):
         r = self.cfg.actor_rollout_ref.rollout
@@ -324,7 +326,8 @@ class Trainer:
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         total = float(tokens)
         actor = self.cfg.actor_rollout_ref.actor
-        flops = step_flops(self.actor_params, total, ppo_epochs=actor.ppo_epochs,
+        _, active = model_flops_params(self.hf_config)  # the whole model's, per token (MoE: top-k)
+        flops = step_flops(self.actor_params, total, active_params=active, ppo_epochs=actor.ppo_epochs,
                            critic_epochs=self.cfg.critic.ppo_epochs or actor.ppo_epochs,
                            critic=self.critic is not None, ref=self.ref is not None,
                            old_log_prob=not self.reuse_old_log_prob)
@@ -336,12 +339,7 @@ class Trainer:
 
     @property
     def actor_params(self):
-        if not hasattr(self, "_actor_params"):
-            n = torch.tensor([float(sum(p.numel() for c in self.actor.chunks
-                                        for p in c.parameters()))])
-            dist.all_reduce(n, group=ps.get_model_parallel_group())
-            self._actor_params = float(n)
-        return self._actor_params
+        return model_flops_params(self.hf_config)[0]
 
     def _apply_kl_guard(self, metrics):
         kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty"))
@@ -357,6 +355,7 @@ class Trainer:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
         self.sync_weights()
+        self.hybrid.enter("validate")
         n = len(self.val_data)
         rows = [self.val_data[i] for i in range(n)]
         sampling = self._sampling(train=False)
@@ -383,8 +382,7 @@ class Trainer:
         metrics = {f"val/{src}/score/mean": v / c for src, (v, c) in total.items()}
         metrics["val/score/mean"] = (sum(v for v, _ in total.values())
                                      / max(1, sum(c for _, c in total.values())))
-        self.hybrid.to_training()
-        return metrics
+        return metrics  # the next phase entered takes the rollout's memory back
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
@@ -415,6 +413,7 @@ class Trainer:
 
     def save(self):
         if self.checkpoints is not None:
+            self.hybrid.enter("checkpoint")
             self.checkpoints.save(self.step_count, self.workers(), self.state_dict())
 
     def resume(self):

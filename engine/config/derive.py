@@ -5,6 +5,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from engine.config.phases import phase_schedule
 from engine.config.schema import TridentConfig
 from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_topology_of,
                                     sglang_test_double, validate, validate_layout)
@@ -49,6 +50,7 @@ class Derived:
     actor: BatchPlan
     critic: Optional[BatchPlan]
     rollout_topology: Any = None  # engine.rollout.topology.RolloutTopology: engines, leaders, GPUs
+    phases: Any = None  # engine.config.phases.PhaseSchedule: what is on the device in each phase
 
 
 def total_training_steps(cfg: TridentConfig, dataset_len: int) -> int:
@@ -161,7 +163,8 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
         use_reference=actor.use_kl_loss or out.algorithm.use_kl_in_reward,
         actor=_batch_plan(actor, "actor_rollout_ref.actor", out, layout.dp),
         critic=_batch_plan(critic, "critic", out, layout.dp) if critic.enable else None,
-        rollout_topology=rollout_topology_of(out, world_size))
+        rollout_topology=rollout_topology_of(out, world_size),
+        phases=phase_schedule(out, critic.enable, actor.use_kl_loss or out.algorithm.use_kl_in_reward))
 
 
 def _batch_plan(section: Any, p: str, cfg: TridentConfig, dp: int) -> BatchPlan:

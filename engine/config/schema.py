@@ -125,6 +125,9 @@ class MegatronConfig:
     recompute_num_layers: Optional[int] = None
     seed: int = 42
     params_dtype: Optional[ParamsDtype] = "bfloat16"  # ref / critic / reward model: null = the actor's
+    # Megatron's kernel fusions by name (engine/models/builder.py FUSIONS): absent = on where the
+    # installed TE / apex support it on a GPU (always off on CPU), true = required, false = off
+    fusions: dict = field(default_factory=dict)
 
 
 def _inherited_megatron() -> MegatronConfig:
