@@ -87,14 +87,14 @@ def _wandb_has_credentials():
 class _WandbTracker:
     def __init__(self, run_dir, project, experiment, config, stream):
         import wandb
-        mode = None  # wandb's own choice: WANDB_MODE, else online
-        if not os.environ.get("WANDB_MODE") and not _wandb_has_credentials():
+        # read here, not left to wandb: its settings are fixed at the first init in a process
+        mode = os.environ.get("WANDB_MODE") or None
+        where = os.environ.get("WANDB_DIR") or run_dir
+        if mode is None and not _wandb_has_credentials():
             mode = "offline"
-            print("wandb: no API key (WANDB_API_KEY or `wandb login`): logging offline under "
-                  f"{os.environ.get('WANDB_DIR') or run_dir}/wandb; upload later with `wandb sync`",
-                  file=stream, flush=True)
-        self.run = wandb.init(project=project, name=experiment, config=config, mode=mode,
-                              dir=None if os.environ.get("WANDB_DIR") else run_dir)
+            print(f"wandb: no API key (WANDB_API_KEY or `wandb login`): logging offline under {where}/wandb; "
+                  "upload later with `wandb sync`", file=stream, flush=True)
+        self.run = wandb.init(project=project, name=experiment, config=config, mode=mode, dir=where)
 
     def log(self, scalars, step):
         self.run.log(scalars, step=step)
@@ -106,14 +106,14 @@ class _WandbTracker:
 class _SwanlabTracker:
     def __init__(self, run_dir, project, experiment, config, stream):
         import swanlab
-        mode = None  # swanlab's own choice: SWANLAB_MODE, else online
-        if not os.environ.get("SWANLAB_MODE") and swanlab.Settings().api_key is None:
+        mode = os.environ.get("SWANLAB_MODE") or None
+        where = os.environ.get("SWANLAB_LOG_DIR") or os.environ.get("SWANLAB_LOGDIR") or os.path.join(
+            run_dir, "swanlog")
+        if mode is None and swanlab.Settings().api_key is None:  # env or the `swanlab login` file
             mode = "offline"
-            print("swanlab: no API key (SWANLAB_API_KEY or `swanlab login`): logging offline; "
+            print(f"swanlab: no API key (SWANLAB_API_KEY or `swanlab login`): logging offline under {where}; "
                   "upload later with `swanlab sync`", file=stream, flush=True)
-        user_dir = os.environ.get("SWANLAB_LOG_DIR") or os.environ.get("SWANLAB_LOGDIR")
-        self.run = swanlab.init(project=project, name=experiment, config=config, mode=mode,
-                                log_dir=None if user_dir else os.path.join(run_dir, "swanlog"))
+        self.run = swanlab.init(project=project, name=experiment, config=config, mode=mode, log_dir=where)
 
     def log(self, scalars, step):
         self.run.log(scalars, step=step)
