@@ -18,7 +18,8 @@ CORE = [
 # Experiment trackers for trainer.logger (wandb, swanlab, mlflow). engine/metrics.py OPTIONAL_LOGGERS names
 # the same pins in its "pip install" hint; tests/test_loggers.py checks that the two agree.
 # mlflow-skinny (not the full mlflow server) plus SQLAlchemy / Alembic for its local SQLite store.
-LOGGER_PINS = ["wandb==0.31.0", "swanlab==0.10.3", "mlflow-skinny==3.17.2", "sqlalchemy==2.1.9", "alembic==1.20.1"]
+LOGGER_PINS = ["wandb==0.31.0", "swanlab==0.10.3",
+               "mlflow-skinny==3.17.2", "sqlalchemy==2.1.9", "alembic==1.20.1"]
 
 setup(
     name="trident-rl",

@@ -199,8 +199,8 @@ class MetricsLogger:
     is recorded as the run's config / parameters there.
     """
 
-    def __init__(self, log_dir, loggers=BUILTIN_LOGGERS, project=DEFAULT_PROJECT, experiment=DEFAULT_EXPERIMENT,
-                 total_steps=None, rank=0, stream=None, config=None):
+    def __init__(self, log_dir, loggers=BUILTIN_LOGGERS, project=DEFAULT_PROJECT,
+                 experiment=DEFAULT_EXPERIMENT, total_steps=None, rank=0, stream=None, config=None):
         check_loggers(loggers)  # on every rank: a missing package stops all ranks alike
         self.enabled = rank == 0
         self.loggers = tuple(loggers)
@@ -286,7 +286,8 @@ class MetricsLogger:
                           if name in scalars]
         if self.total_steps and self._step_seconds:
             recent = self._step_seconds[-20:]
-            parts.append(f"eta {_format_seconds(sum(recent) / len(recent) * max(self.total_steps - step, 0))}")
+            left = max(self.total_steps - step, 0)
+            parts.append(f"eta {_format_seconds(sum(recent) / len(recent) * left)}")
         return " | ".join(parts)
 
     def close(self):
@@ -360,7 +361,8 @@ def compute_data_metrics(token_level_scores, token_level_rewards, advantages, re
     }
     if values is not None:
         val_mean, val_max, val_min = _masked_stats(values, mask)
-        metrics.update({"critic/values/mean": val_mean, "critic/values/max": val_max, "critic/values/min": val_min})
+        metrics.update({"critic/values/mean": val_mean, "critic/values/max": val_max,
+                        "critic/values/min": val_min})
     if prompt_mask is not None:
         prompt_length = prompt_mask.bool().sum(-1).float()
         max_prompt_length = max_prompt_length or prompt_mask.shape[-1]

@@ -60,7 +60,8 @@ def _assert_steps(by_step, name=lambda n: n):
 
 @pytest.fixture
 def no_credentials(tmp_path, monkeypatch):
-    """No tracker settings or saved logins from this machine: a fresh HOME, no WANDB_/SWANLAB_/MLFLOW_ vars."""
+    """No tracker settings or saved logins from this machine: a fresh HOME, no WANDB_ / SWANLAB_ /
+    MLFLOW_ variables."""
     for var in list(os.environ):
         if var.startswith(("WANDB_", "SWANLAB_", "MLFLOW_")) or var == "NETRC":
             monkeypatch.delenv(var)
