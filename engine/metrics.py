@@ -27,8 +27,6 @@ import time
 from typing import Callable, NamedTuple
 from urllib.parse import urlparse
 
-import torch
-
 BUILTIN_LOGGERS = ("console", "tensorboard", "jsonl")
 DEFAULT_PROJECT, DEFAULT_EXPERIMENT = "trident", "default"  # the config's project_name / experiment_name
 # (metric, short label, format) shown on the console line, when present
@@ -45,7 +43,8 @@ CONSOLE_FIELDS = (
 
 
 def _to_float(value):
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # not imported here: config validation imports this module
+    if torch is not None and isinstance(value, torch.Tensor):
         return float(value.detach().float().mean().item()) if value.numel() else None
     if isinstance(value, bool):
         return float(value)
