@@ -136,7 +136,6 @@ class _MlflowTracker:
         if not uri:
             uri = "sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db"))
             artifacts = pathlib.Path(os.path.abspath(os.path.join(run_dir, "mlartifacts"))).as_uri()
-        self.uri = uri
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(project)
         experiment_id = (found.experiment_id if found is not None
