@@ -19,9 +19,9 @@ test: $(STAMP)
 
 # A fast subset: 25 s on an idle 2-core machine, ~2 min when others load it (files measured one by one):
 # the unit and formula tests that need no multi-rank worker pool, plus the two quick pool users
-# (kernels_kl, losses). Left out, each 15 s to minutes: plan and recipes (~2 min each), e2e, the
-# layout / checkpoint / reshard / parity files (multi-rank pools), the ray reward pool, and any
-# test marked slow. `make test` runs everything.
+# (kernels_kl, losses). Left out: plan and recipes (~2 min each), the ray reward pool (15 s), e2e and
+# the other multi-rank files (layouts, checkpoints, resharding, parity: not timed, slow by design),
+# and any test marked slow. `make test` runs everything.
 FAST_TESTS := tests/test_advantages.py tests/test_batch.py tests/test_config.py tests/test_data.py \
 	tests/test_kl_controllers.py tests/test_metrics.py tests/test_loggers.py tests/test_rewards.py \
 	tests/test_rollout_cpu.py tests/test_sglang_contract.py tests/test_kernels_kl.py tests/test_losses.py
