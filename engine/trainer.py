@@ -8,6 +8,7 @@ rollout groups (one engine each, on the group's leader) and each DP replica rece
 the responses it trains on (engine/rollout/group.py).
 """
 import contextlib
+import dataclasses
 import os
 import random
 from collections import defaultdict
@@ -76,9 +77,11 @@ class Trainer:
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
                                    arr.rollout.update_weights_bucket_megabytes, derived.phases,
                                    {k: w for k, w in workers.items() if w is not None})
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
-                                    experiment=None, total_steps=self.total_steps,
-                                    rank=self.rank)
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
+                                    project=cfg.trainer.project_name,
+                                    experiment=cfg.trainer.experiment_name,
+                                    total_steps=self.total_steps, rank=self.rank,
+                                    config=dataclasses.asdict(cfg))
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank

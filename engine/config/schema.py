@@ -32,7 +32,7 @@ RolloutName = Literal["cpu", "sglang", "auto"]
 RewardManager = Literal["naive", "batch"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
 KlCtrlType = Literal["fixed", "adaptive"]
-Logger = Literal["console", "tensorboard", "jsonl"]
+Logger = Literal["console", "tensorboard", "jsonl", "wandb", "swanlab", "mlflow"]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 

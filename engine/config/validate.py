@@ -242,6 +242,11 @@ def _validate_algorithm(cfg: TridentConfig) -> None:
 
 def _validate_trainer(cfg: TridentConfig) -> None:
     t, p = cfg.trainer, "trainer"
+    from engine.metrics import check_loggers
+    try:
+        check_loggers(t.logger)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for name in ("nnodes", "n_gpus_per_node", "total_epochs"):
         _check(t, p, name, ge=1)
     _check(t, p, "total_training_steps", ge=1, optional=True)
