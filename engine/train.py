@@ -184,7 +184,11 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, **record)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return dict(pad_token_id=pad, **record)
+    out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
+    if r.name == "hf":  # on the GPU in the actor's dtype
+        from engine.workers.base import DTYPES
+        out["dtype"] = DTYPES[arr.actor.megatron.params_dtype]
+    return out
 
 
 def _config_dir(hf_config, tokenizer):

@@ -175,7 +175,7 @@ class Trainer:
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
             self.comm.seconds.clear()
-        metrics.update(self._perf_metrics(batch, timings["timing_s/step"]))
+        metrics.update(self._perf_metrics(batch, timings))
         if self.kl_guard is not None:
             metrics.update(self._apply_kl_guard(metrics))
         metrics["training/epoch"] = prompts.epoch
@@ -324,7 +324,8 @@ class Trainer:
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
         return reduce_over_dp(local, self.dp)
 
-    def _perf_metrics(self, batch, step_time):
+    def _perf_metrics(self, batch, timings):
+        step_time = timings["timing_s/step"]
         tokens = torch.tensor([float(batch["attention_mask"].sum())])
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         total = float(tokens)
@@ -337,6 +338,10 @@ class Trainer:
         out = compute_throughput_metrics(total, step_time, self.world, flops=flops,
                                          peak_flops_per_rank=self.peak_flops)
         out["perf/peak_flops_per_rank"] = self.peak_flops or 0.0
+        update_s = timings.get("timing_s/update_actor", 0.0)
+        if self.peak_flops and update_s > 0:  # the actor update alone: forward + backward per epoch
+            out["perf/mfu/actor_update"] = (6.0 * active * total * actor.ppo_epochs
+                                            / (update_s * self.world * self.peak_flops))
         out.update(peak_memory_gb())
         return out
 

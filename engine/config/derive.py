@@ -96,6 +96,9 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
     if rollout.name == "sglang" and trainer.device == "cpu" and not sglang_test_double():
         _fail("actor_rollout_ref.rollout.name", "sglang", "SGLang needs a GPU but no CUDA device is available; "
               "use rollout.name=cpu")
+    if rollout.name == "hf" and trainer.device == "cpu":
+        _fail("actor_rollout_ref.rollout.name", "hf", "the transformers GPU rollout needs a CUDA device and none "
+              "is available; use rollout.name=cpu")
 
     # Values inherited from other keys.
     if data.filter_overlong_prompts or data.truncation == "filter":

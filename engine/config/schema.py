@@ -28,7 +28,7 @@ ParamsDtype = Literal["float32", "bfloat16", "float16"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CheckpointContent = Literal["model", "optimizer", "extra"]
-RolloutName = Literal["cpu", "sglang", "auto"]
+RolloutName = Literal["cpu", "sglang", "hf", "auto"]  # hf: transformers on CUDA (checks)
 RewardManager = Literal["naive", "batch"]
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
 KlCtrlType = Literal["fixed", "adaptive"]
@@ -181,7 +181,7 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise
+    name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise; hf: transformers on CUDA
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off

@@ -178,6 +178,8 @@ def _validate_rollout(cfg: TridentConfig) -> None:
             _fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
     if r.name == "sglang" and cfg.trainer.device == "cpu" and not sglang_test_double():
         _fail(f"{p}.name", "sglang", "SGLang needs a GPU but trainer.device='cpu'; use rollout.name=cpu")
+    if r.name == "hf" and cfg.trainer.device == "cpu":
+        _fail(f"{p}.name", "hf", "the transformers GPU rollout needs trainer.device='cuda'; use rollout.name=cpu")
 
 
 def sglang_test_double() -> bool:
