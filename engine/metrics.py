@@ -389,3 +389,42 @@ def compute_throughput_metrics(total_tokens, step_time, n_ranks, flops=None, pea
     if flops is not None and peak_flops_per_rank:
         metrics["perf/mfu"] = flops / (step_time * n_ranks * peak_flops_per_rank)
     return metrics
+
+
+def reduce_over_dp(local, dp):
+    """Mean / max / min metrics of equal-sized DP shards -> the global batch's (collective over
+    the data-parallel group)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(local)
+    group = ps.get_data_parallel_group()
+    vals = {}
+    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min")):
+        ks = [k for k in keys if k.endswith(pick)]
+        if ks:
+            t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
+            dist.all_reduce(t, op=op, group=group)
+            vals.update(zip(ks, t.tolist()))
+    ks = [k for k in keys if k not in vals]
+    t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    vals.update(zip(ks, (t / dp).tolist()))
+    return vals
+
+
+def peak_memory_gb():
+    """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.perf import peak_rss_bytes
+    if torch.cuda.is_available():
+        t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+        key = "perf/max_memory_allocated_gb"
+    else:
+        t = torch.tensor([peak_rss_bytes() / 2**30])
+        key = "perf/cpu_peak_rss_gb"
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {key: float(t)}

@@ -19,33 +19,16 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.kl import make_kl_controller
+from engine.algorithms.kl import KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
-from engine.batch import Batch
-from engine.data import PromptLoader, left_pad
+from engine.data import PromptLoader
 from engine.hybrid import HybridEngine
+from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
+                            peak_memory_gb, reduce_over_dp)
 from engine.perf import CommTimer, model_flops_params, step_flops
-from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
-from engine.rollout.base import SamplingParams
+from engine.rollout.batches import sampling_params, training_batch
+from engine.validation import validate
 from parallel.cpu import suspended as cpu_function_mode_suspended
-
-
-class KLGuard:
-    """The monitoring rules users apply by hand, automated: KL above a ceiling multiplies the KL
-    coefficient by `raise_factor`; entropy below a floor multiplies it by `lower_factor`."""
-
-    def __init__(self, cfg, coef):
-        self.cfg, self.coef = cfg, coef
-
-    def update(self, kl, entropy):
-        action = 0
-        if kl is not None and kl > self.cfg.kl_ceiling:
-            self.coef *= self.cfg.raise_factor
-            action = 1
-        elif entropy is not None and entropy < self.cfg.entropy_floor:
-            self.coef *= self.cfg.lower_factor
-            action = -1
-        return {"kl_guard/kl_coef": self.coef, "kl_guard/action": action}
 
 
 class Trainer:
@@ -67,7 +50,8 @@ class Trainer:
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
-        guarded = arr.actor.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
+        self.kl_loss_coef = arr.actor.kl_loss_coef  # trainer state: the KL guard may move it
+        guarded = self.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
@@ -168,7 +152,8 @@ class Trainer:
             self.hybrid.enter("actor_update")
             with self._phase("update_actor", timings):
                 metrics.update(self.actor.update_policy(
-                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature))
+                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                    kl_coef=self.kl_loss_coef))
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
         metrics["perf/update_weights_gb"] = sync.bytes / 1e9
@@ -201,18 +186,8 @@ class Trainer:
             self.comm.phase = "other"
 
     def _sampling(self, train=True, greedy=False):
-        r = self.cfg.actor_rollout_ref.rollout
-        if train and not greedy:
-            return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.response_length,
-                                  stop_token_ids=tuple(self.eos_ids),
-                                  seed=r.seed + 1000003 * self.step_count, do_sample=r.do_sample,
-                                  ignore_eos=r.ignore_eos)
-        v = r.val_kwargs
-        return SamplingParams(n=1 if greedy else v.n, temperature=0.0 if greedy else v.temperature,
-                              top_p=v.top_p, top_k=v.top_k, max_new_tokens=r.response_length,
-                              stop_token_ids=tuple(self.eos_ids), seed=r.seed,
-                              do_sample=False if greedy else v.do_sample)
+        return sampling_params(self.cfg.actor_rollout_ref.rollout, self.eos_ids, self.step_count,
+                               train=train, greedy=greedy)
 
     def _my_prompts(self, prompts):
         """This DP rank's contiguous share of the step's prompts."""
@@ -236,38 +211,9 @@ class Trainer:
         got = self.rollout.generate_for_replicas(list(prompts.input_ids), list(prompts.indices),
                                                  sampling, generate=self._engine_generate)
         self.route_bytes = self.rollout.route_bytes
-        responses = {i: v[0] for i, v in got.items()}
-        logps = {i: v[1] for i, v in got.items()}
-        routing = {i: v[2] for i, v in got.items() if v[2] is not None}
-        rows = self._my_prompts(prompts) if rows is None else rows
         r = self.cfg.actor_rollout_ref.rollout
-        prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
-                                           self.pad_id, r.prompt_length)
-        resp_list = [responses[i][j] for i in rows for j in range(n)]
-        lp_list = [logps[i][j] for i in rows for j in range(n)]
-        width = r.response_length
-        resp = torch.full((len(resp_list), width), self.pad_id, dtype=torch.long)
-        rmask = torch.zeros(len(resp_list), width, dtype=torch.long)
-        rlp = torch.zeros(len(resp_list), width)
-        for k, (t, lp) in enumerate(zip(resp_list, lp_list)):
-            t = t[:width]
-            resp[k, :len(t)] = torch.tensor(t, dtype=torch.long)
-            rmask[k, :len(t)] = 1
-            rlp[k, :len(t)] = torch.tensor(lp[:width])
-        extra = {}
-        if routing:
-            extra["routed_experts"] = [routing[i][j] for i in rows for j in range(n)]
-        batch = Batch(
-            tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
-                         attention_mask=torch.cat([prompt_mask, rmask], 1),
-                         responses=resp, response_mask=rmask, rollout_log_probs=rlp,
-                         prompt_mask=prompt_mask),
-            non_tensors=dict(
-                uid=[prompts.indices[i] for i in rows for _ in range(n)],
-                ground_truth=[prompts.ground_truths[i] for i in rows for _ in range(n)],
-                data_source=[prompts.data_sources[i] for i in rows for _ in range(n)],
-                extra_info=[prompts.extra_infos[i] for i in rows for _ in range(n)], **extra))
-        return batch
+        rows = self._my_prompts(prompts) if rows is None else rows
+        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length)
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
@@ -353,7 +299,7 @@ class Trainer:
         kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty"))
         out = self.kl_guard.update(kl, metrics.get("actor/entropy"))
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
-            self.actor.cfg.kl_loss_coef = self.kl_guard.coef
+            self.kl_loss_coef = self.kl_guard.coef
         elif self.kl_ctrl is not None:
             self.kl_ctrl.value = self.kl_guard.coef
         return out
@@ -364,39 +310,16 @@ class Trainer:
             return {}
         self.sync_weights()
         self.hybrid.enter("validate")
-        n = len(self.val_data)
-        rows = [self.val_data[i] for i in range(n)]
-        sampling = self._sampling(train=False)
-        mine, out = self.rollout.generate_split([r["input_ids"] for r in rows], list(range(n)), sampling,
-                                                generate=self._engine_generate)
-        sums = defaultdict(lambda: [0.0, 0])  # data source -> [score sum, count] on this leader
-        if out is not None:
-            texts = self.tokenizer.batch_decode(
-                [r[:-1] if r and r[-1] in self.eos_ids else r for r in out.responses],
-                skip_special_tokens=self.reward_fn.skip_special_tokens)
-            k = sampling.n
-            for j, text in enumerate(texts):
-                row = rows[mine[j // k]]
-                s = self.reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
-                sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)
-                sums[row["data_source"]][1] += 1
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, dict(sums))  # a few numbers per rank
-        total = defaultdict(lambda: [0.0, 0])
-        for part in gathered:
-            for source, (value, count) in part.items():
-                total[source][0] += value
-                total[source][1] += count
-        metrics = {f"val/{src}/score/mean": v / c for src, (v, c) in total.items()}
-        metrics["val/score/mean"] = (sum(v for v, _ in total.values())
-                                     / max(1, sum(c for _, c in total.values())))
-        return metrics  # the next phase entered takes the rollout's memory back
+        return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
+                        self._sampling(train=False), self.eos_ids,
+                        batch_size=self.cfg.data.val_batch_size, generate=self._engine_generate)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
         return {"step": self.step_count, "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
-                "kl_guard": self.kl_guard.coef if self.kl_guard else None,
+                "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
+                "kl_loss_coef": self.kl_loss_coef,
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}}
 
@@ -406,7 +329,8 @@ class Trainer:
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.kl_guard is not None and state.get("kl_guard") is not None:
-            self.kl_guard.coef = state["kl_guard"]
+            self.kl_guard.load_state_dict(state["kl_guard"])
+        self.kl_loss_coef = float(state.get("kl_loss_coef", self.kl_loss_coef))
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -437,37 +361,6 @@ class Trainer:
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step_count}", flush=True)
-
-
-def peak_memory_gb():
-    """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
-    from engine.perf import peak_rss_bytes
-    if torch.cuda.is_available():
-        t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-        key = "perf/max_memory_allocated_gb"
-    else:
-        t = torch.tensor([peak_rss_bytes() / 2**30])
-        key = "perf/cpu_peak_rss_gb"
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {key: float(t)}
-
-
-def reduce_over_dp(local, dp):
-    """Mean / max / min metrics of equal-sized DP shards -> the global batch's."""
-    keys = sorted(local)
-    group = ps.get_data_parallel_group()
-    vals = {}
-    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min")):
-        ks = [k for k in keys if k.endswith(pick)]
-        if ks:
-            t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-            dist.all_reduce(t, op=op, group=group)
-            vals.update(zip(ks, t.tolist()))
-    ks = [k for k in keys if k not in vals]
-    t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    vals.update(zip(ks, (t / dp).tolist()))
-    return vals
 
 
 def set_seed(seed):

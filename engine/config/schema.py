@@ -267,11 +267,13 @@ class KlCtrlConfig:
 
 @dataclass
 class KlGuardConfig:
+    """The users' runbook, automated (engine/algorithms/kl.py KLGuard)."""
     enable: bool = False
-    kl_ceiling: float = 0.1
-    entropy_floor: float = 0.0
-    raise_factor: float = 2.0
-    lower_factor: float = 0.5
+    kl_ceiling: float = 0.3     # KL above this: coefficient x raise_factor
+    entropy_floor: float = 0.1  # entropy below this: coefficient x lower_factor
+    raise_factor: float = 1.2
+    lower_factor: float = 0.9
+    warn_range: list[float] = field(default_factory=lambda: [0.0005, 0.01])  # warn outside it
 
 
 @dataclass

@@ -236,6 +236,9 @@ def _validate_algorithm(cfg: TridentConfig) -> None:
     _check(a.kl_guard, g, "entropy_floor", ge=0.0)
     _check(a.kl_guard, g, "raise_factor", ge=1.0)
     _check(a.kl_guard, g, "lower_factor", gt=0.0, le=1.0)
+    w = a.kl_guard.warn_range
+    if len(w) != 2 or not 0 <= w[0] <= w[1]:
+        _fail(f"{g}.warn_range", w, "must be [low, high] with 0 <= low <= high, e.g. [0.0005, 0.01]")
     n = cfg.actor_rollout_ref.rollout.n
     if a.adv_estimator in GROUP_ESTIMATORS and n < 2:
         _fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "

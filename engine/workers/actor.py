@@ -85,15 +85,18 @@ class ActorWorker(LogProbModel):
     mini_batch_size_per_rank = None  # set by the trainer from engine.config.derive
 
     def update_policy(self, batch: Batch, *, temperature=1.0, micro_batch_size=None,
-                      max_tokens=None):
+                      max_tokens=None, kl_coef=None):
         """`ppo_epochs` passes over the batch in mini-batches; one optimizer step each.
 
         batch: input_ids, attention_mask, responses, response_mask, old_log_probs, advantages,
         and ref_log_prob when `use_kl_loss`. Returns metrics averaged over optimizer steps.
         Without old_log_probs the update is on-policy by construction (one epoch, one mini-batch:
         the caller checks) and each token's old log-prob is its current one, detached.
+        `kl_coef`: the KL loss's coefficient now (trainer state: the KL guard moves it; default
+        actor.kl_loss_coef).
         """
         cfg = self.cfg
+        self.kl_coef = cfg.kl_loss_coef if kl_coef is None else float(kl_coef)
         if "old_log_probs" not in batch and (cfg.ppo_epochs != 1 or len(self._mini_batches(batch, 0)) != 1):
             raise ValueError("update_policy: old_log_probs are needed unless the update is one "
                              "epoch of one mini-batch (on-policy); compute them with "
@@ -118,7 +121,7 @@ class ActorWorker(LogProbModel):
                     history[k].append(v)
                 history["actor/grad_norm"].append(grad_norm)
                 if cfg.use_kl_loss:
-                    history["actor/kl_coef"].append(cfg.kl_loss_coef)
+                    history["actor/kl_coef"].append(self.kl_coef)
                 history["actor/lr"].append(lr)
         return {k: sum(v) / len(v) for k, v in history.items()}
 
@@ -174,7 +177,7 @@ class ActorWorker(LogProbModel):
         metrics["actor/entropy"] = entropy.detach()
         if cfg.use_kl_loss:
             kl = kl_loss(log_prob, ref, mask, cfg.kl_loss_type, cfg.loss_agg_mode, norm)
-            loss = loss + cfg.kl_loss_coef * kl
+            loss = loss + self.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
@@ -198,7 +201,7 @@ class ActorWorker(LogProbModel):
             if cfg.entropy_coeff:
                 terms = terms - cfg.entropy_coeff * ent
             if ref is not None:
-                terms = terms + cfg.kl_loss_coef * kl_penalty(lp, ref[start:end], cfg.kl_loss_type)
+                terms = terms + self.kl_coef * kl_penalty(lp, ref[start:end], cfg.kl_loss_type)
             w = weight[start:end]
             # where, not multiply: a masked token's term may be inf and inf * 0 is NaN
             return torch.where(w != 0, terms, torch.zeros_like(terms)).mul(w).sum()
