@@ -147,7 +147,8 @@ def print_table(name, summary, per_step=None):
             print(f"{r['step']:>4} {r.get('timing_s/step', 0):8.2f} {r.get('perf/throughput', 0):11.1f} "
                   f"{r.get('perf/mfu', 0):6.3f}")
     print(f"median step {summary['step_s']:.2f} s | {summary['tokens_per_s_per_rank']:.1f} tokens/s/rank | "
-          f"MFU {summary['mfu'] or 0:.3f} (actor update {summary.get('mfu_actor_update') or 0:.3f}) of a measured {(summary['peak_flops_per_rank'] or 0) / 1e9:.1f} "
+          f"MFU {summary['mfu'] or 0:.3f} (actor update {summary.get('mfu_actor_update') or 0:.3f}) "
+          f"of a measured {(summary['peak_flops_per_rank'] or 0) / 1e9:.1f} "
           f"GFLOP/s per rank | peak memory {summary['peak_memory_gb'] or 0:.2f} GB/rank")
     total = sum(summary["phases_s"].values()) or 1.0
     print("phases: " + ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)"

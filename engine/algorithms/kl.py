@@ -18,8 +18,9 @@ out when it leaves `warn_range`. Its coefficient is trainer state, saved and res
 """
 import logging
 
-log = logging.getLogger(__name__)
 from kernels.kl import KL_KINDS, kl_penalty, linear_full_kl
+
+log = logging.getLogger(__name__)
 
 __all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FixedKLController",
            "AdaptiveKLController", "make_kl_controller", "KLGuard"]
