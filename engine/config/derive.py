@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.config.phases import phase_schedule
-from engine.config.schema import TridentConfig
+from engine.config.schema import CRITIC_ESTIMATORS, TridentConfig
 from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_topology_of,
                                     sglang_test_double, validate, validate_layout)
 
@@ -118,7 +118,7 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
                   "set the per-rank log-prob micro-batch, or log_prob_use_dynamic_bsz=true")
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
-    critic.enable = out.algorithm.adv_estimator == "gae" if critic.enable is None else critic.enable
+    critic.enable = out.algorithm.adv_estimator in CRITIC_ESTIMATORS if critic.enable is None else critic.enable
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs

@@ -4,6 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from engine.metrics import LOGGERS
+from engine.rollout.registry import backend_names
+from kernels.kl import KL_KINDS
+
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
@@ -17,27 +23,28 @@ class ConfigError(ValueError):
 # Allowed values
 # --------------------------------------------------------------------------------------------
 
+# Names that select code come from the tables beside that code (adding one there adds it here).
 Truncation = Literal["error", "left", "right", "filter"]
-PolicyLoss = Literal["vanilla", "gspo"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]
+LossAggMode = Literal[tuple(LOSS_AGG_MODES)]
 # "+" variants: the value of the named estimator with the gradient of k2 (straight-through).
-KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
-                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full+"]
+KlEstimator = Literal[tuple(KL_KINDS)]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CheckpointContent = Literal["model", "optimizer", "extra"]
-RolloutName = Literal["cpu", "sglang", "hf", "auto"]  # hf: transformers on CUDA (checks)
+RolloutName = Literal[backend_names() + ("auto",)]  # hf: transformers on CUDA (checks)
 RewardManager = Literal["naive", "batch"]
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 KlCtrlType = Literal["fixed", "adaptive"]
-Logger = Literal["console", "tensorboard", "jsonl", "wandb", "swanlab", "mlflow"]
+Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 
-# Estimators that compare responses within a group of n samples per prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators that compare responses within a group of n samples per prompt / need a critic.
+GROUP_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group)
+CRITIC_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic)
 # Keys that share one Megatron process-group layout across all models of a run.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "context_parallel_size",

@@ -6,7 +6,7 @@ import math
 import typing
 from typing import Any, Optional
 
-from engine.config.schema import (GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, MegatronConfig,
+from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, MegatronConfig,
                                   ModelConfig, OptimConfig, RewardModelConfig, TridentConfig, _join)
 
 
@@ -194,9 +194,9 @@ def sglang_test_double() -> bool:
 
 def _validate_critic(cfg: TridentConfig) -> None:
     c, p = cfg.critic, "critic"
-    if c.enable is False and cfg.algorithm.adv_estimator == "gae":
-        _fail("critic.enable", False, "algorithm.adv_estimator='gae' needs a critic; set critic.enable=true "
-              "(or null), or pick an estimator without a critic such as 'grpo'")
+    if c.enable is False and cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        _fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
+              "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
     _validate_model(c.model, "critic.model", cfg.data, required=False)
     _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
     _check(c, p, "ppo_epochs", ge=1, optional=True)
