@@ -6,8 +6,9 @@ import math
 import typing
 from typing import Any, Optional
 
-from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, MegatronConfig,
-                                  ModelConfig, OptimConfig, RewardModelConfig, TridentConfig, _join)
+from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
+                                  MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig, TridentConfig,
+                                  _join)
 
 
 # --------------------------------------------------------------------------------------------
