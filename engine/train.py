@@ -122,24 +122,36 @@ def build(cfg, world_size) -> Components:
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
     critic = ref = None
-    if derived.use_critic:
-        critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
+    if derived.use_critic:  # its own model (critic.model.path / config; the actor's when unset)
+        own = (cfg.critic.model.path, cfg.critic.model.config) != (arr.model.path, arr.model.config)
+        critic_hf = load_hf_config(cfg.critic.model, vocab_size=len(tokenizer)) if own else hf_config
+        critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
     if derived.use_reference:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    from engine.models.hf_io import load_hf_weights
     if arr.model.path:
-        from engine.models.hf_io import load_hf_weights
-        for worker in (w for w in (actor, ref, critic) if w is not None):
+        for worker in (w for w in (actor, ref) if w is not None):
             load_hf_weights(worker.chunks, arr.model.path)
-        for worker in (actor, critic):
-            if worker is not None and worker.optimizer is not None:
-                worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
+    if critic is not None and cfg.critic.model.path:
+        # a reward model's checkpoint initialises the value head from its score head
+        load_hf_weights(critic.chunks, cfg.critic.model.path, hf_config=critic.hf_config)
+    for worker in (actor, critic):
+        if worker is not None and worker.optimizer is not None:
+            worker.optimizer.reload_model_params()
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
-    reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    custom = None
+    if cfg.custom_reward_function.path:
+        from engine.rewards.custom import load_custom_reward
+        custom = load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
+                              reward_manager=cfg.reward_model.reward_manager,
+                              overlong=cfg.reward_model.overlong_buffer,
+                              max_response_length=arr.rollout.response_length)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights

@@ -45,8 +45,8 @@ class Trainer:
         self.peak_flops = c.peak_flops
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size,
-                                   shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
@@ -125,6 +125,7 @@ class Trainer:
             self.hybrid.enter("reward")
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
+            metrics = self._reward_extra_metrics(extra)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
                 self.hybrid.enter("old_log_prob")
                 with self._phase("old_log_prob", timings):
@@ -141,7 +142,6 @@ class Trainer:
                 self.hybrid.enter("values")
                 with self._phase("values", timings):
                     batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
-            metrics = {}
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
@@ -213,15 +213,27 @@ class Trainer:
         self.route_bytes = self.rollout.route_bytes
         r = self.cfg.actor_rollout_ref.rollout
         rows = self._my_prompts(prompts) if rows is None else rows
-        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length)
+        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
+                              raw_chat=self.cfg.data.return_raw_chat)
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
         model_scores = self.reward_model.compute_scores(batch) if self.reward_model else None
+        extra_infos = list(batch["extra_info"])
+        if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
+            extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
         return self.reward_fn(batch["responses"], batch["response_mask"],
                               ground_truths=list(batch["ground_truth"]),
                               data_sources=list(batch["data_source"]),
-                              extra_infos=list(batch["extra_info"]), model_scores=model_scores)
+                              extra_infos=extra_infos, model_scores=model_scores)
+
+    REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong")
+
+    def _reward_extra_metrics(self, extra):
+        """Means over the global batch of the reward extras every rank has (same config)."""
+        local = {f"reward_extra/{k}/mean": float(np.mean([float(v) for v in extra[k]]))
+                 for k in self.REWARD_EXTRAS if k in extra and len(extra[k])}
+        return reduce_over_dp(local, self.dp) if local else {}
 
     def _scores(self, batch):
         scores, _ = self.compute_scores(batch)
@@ -325,6 +337,14 @@ class Trainer:
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
+        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
+            if self.rank == 0:
+                print(f"checkpoint of step {self.step_count} holds no trainer state (save_contents without "
+                      "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
+                      flush=True)
+            self.loader.seek(self.step_count)
+            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -346,7 +366,8 @@ class Trainer:
     def save(self):
         if self.checkpoints is not None:
             self.hybrid.enter("checkpoint")
-            self.checkpoints.save(self.step_count, self.workers(), self.state_dict())
+            self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
 
     def resume(self):
         t = self.cfg.trainer

@@ -50,6 +50,15 @@ LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "context_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")
 
+# verl names Trident reads as its own key (one note in the log): name -> (key, why)
+ALIASES = {
+    "data.use_sequence_packing": ("actor_rollout_ref.model.use_remove_padding",
+                                  "sequence packing is the remove-padding THD packing here"),
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": (
+        "actor_rollout_ref.model.use_fused_kernels",
+        "entropy (and log-probs) are computed chunked by the fused kernel"),
+}
+
 # verl keys that live elsewhere here (one key per concept): unknown-key errors point at them.
 MOVED_KEYS = {
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
@@ -245,6 +254,8 @@ class CriticConfig:
 
 @dataclass
 class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: responses longer than max_response_length - len lose up
+    to penalty_factor, linearly over the last `len` tokens (engine/rewards/manager.py)."""
     enable: bool = False
     len: int = 0  # tokens before max_response_length where the length penalty starts
     penalty_factor: float = 1.0
@@ -256,12 +267,21 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None  # required when enabled
     megatron: MegatronConfig = field(default_factory=_inherited_megatron)
+    # naive: the reward function per sample; batch: custom_reward_function once per step with lists
     reward_manager: RewardManager = "naive"
     num_workers: int = 0  # Ray pool size for rule rewards; 0: in process
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     # code rewards' sandbox limits: the fields of engine.rewards.sandbox.SandboxConfig (timeout_s,
     # cpu_s, memory_mb, max_file_mb, max_procs, network, max_concurrency, ...), checked there
     sandbox: dict = field(default_factory=dict)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's custom_reward_function: a user's reward function from a Python file
+    (engine/rewards/custom.py); it replaces the rule rewards by data source."""
+    path: Optional[str] = None
+    name: str = "compute_score"
 
 
 @dataclass
@@ -325,6 +345,7 @@ class TridentConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import typing
 from typing import Any, Optional
 
@@ -53,7 +54,7 @@ def validate(cfg: TridentConfig) -> None:
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
-    _validate_reward_model(cfg.reward_model)
+    _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
 
@@ -132,6 +133,9 @@ def _validate_actor(cfg: TridentConfig) -> None:
     _check(actor, p, "kl_loss_coef", ge=0.0)
     _validate_optim(actor.optim, f"{p}.optim")
     _validate_megatron(actor.megatron, f"{p}.megatron", is_actor=True)
+    if "model" not in actor.checkpoint.save_contents:
+        _fail(f"{p}.checkpoint.save_contents", actor.checkpoint.save_contents,
+              "a checkpoint always holds the model; list 'model' (plus 'optimizer' and 'extra' to resume exactly)")
 
 
 def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_required: bool) -> None:
@@ -206,7 +210,7 @@ def _validate_critic(cfg: TridentConfig) -> None:
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
 
 
-def _validate_reward_model(rm: RewardModelConfig) -> None:
+def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
     p = "reward_model"
     _check(rm, p, "num_workers", ge=0)
     _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
@@ -218,6 +222,16 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
         config_from(rm.sandbox)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if rm.overlong_buffer.enable and not 0 < rm.overlong_buffer.len < max_response_length:
+        _fail(f"{p}.overlong_buffer.len", rm.overlong_buffer.len,
+              f"overlong_buffer.enable=true needs 0 < len < data.max_response_length ({max_response_length}): "
+              f"the last `len` tokens before the limit carry the penalty, e.g. {max(1, max_response_length // 4)}")
+    if custom.path is not None and not os.path.isfile(os.path.expanduser(custom.path)):
+        _fail("custom_reward_function.path", custom.path, "no such file; give the path of a Python file defining "
+              f"{custom.name}(data_source, solution_str, ground_truth, extra_info)")
+    if rm.reward_manager == "batch" and custom.path is None:
+        _fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
+              "set custom_reward_function.path (and .name), or use reward_manager=naive")
     if rm.enable and rm.model.path is None:
         _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
               "set it, or set reward_model.enable=false to use rule rewards")
