@@ -16,9 +16,9 @@ from typing import Any, Literal, Optional
 import yaml
 
 from engine.config.schema import ALIASES, MOVED_KEYS, ConfigError, TridentConfig, _join
+from engine.config.validate import validate
 
 log = logging.getLogger(__name__)
-from engine.config.validate import validate
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,8 +271,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
           str: lambda v: isinstance(v, str),
           dict: lambda v: isinstance(v, dict)}[tp]
     if not ok(value):
+        numeric_text = tp in (int, float) and isinstance(value, str)
         hint = ("; quote it to make it a string" if tp is str else
-                "; write a number (arithmetic like 4096*3 works)" if tp in (int, float) and isinstance(value, str) else "")
+                "; write a number (arithmetic like 4096*3 works)" if numeric_text else "")
         raise ConfigError(f"{key}={value!r} has the wrong type: expected {_describe(tp)}, "
                           f"got {type(value).__name__}{hint}")
     if tp is float:
