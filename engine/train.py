@@ -97,18 +97,14 @@ def build(cfg, world_size) -> Components:
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
-    from parallel.mesh import Layout, init_mesh
+    from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)
     train_data, val_data = load_datasets(cfg, tokenizer)
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
     from engine.config import validate_layout
     from engine.models.arch import arch_spec

@@ -131,29 +131,29 @@ class Trainer:
                 with self._phase("old_log_prob", timings):
                     batch["old_log_probs"] = self.actor.compute_log_prob(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("rollout"))
+                        **self.derived.forward["actor"].kwargs())
             if self.ref is not None:
                 self.hybrid.enter("ref")
                 with self._phase("ref", timings):
                     batch["ref_log_prob"] = self.ref.compute_log_prob(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("ref"))
+                        **self.derived.forward["ref"].kwargs())
             if self.critic is not None:
                 self.hybrid.enter("values")
                 with self._phase("values", timings):
-                    batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
+                    batch["values"] = self.critic.compute_values(batch, **self.derived.forward["critic"].kwargs())
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
             if self.critic is not None:
                 self.hybrid.enter("critic_update")
                 with self._phase("update_critic", timings):
-                    metrics.update(self.critic.update_critic(batch))
+                    metrics.update(self.critic.update_critic(batch, **self.derived.critic.update.kwargs()))
             self.hybrid.enter("actor_update")
             with self._phase("update_actor", timings):
                 metrics.update(self.actor.update_policy(
                     batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                    kl_coef=self.kl_loss_coef))
+                    kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
         metrics["perf/update_weights_gb"] = sync.bytes / 1e9
@@ -218,7 +218,8 @@ class Trainer:
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
-        model_scores = self.reward_model.compute_scores(batch) if self.reward_model else None
+        model_scores = (self.reward_model.compute_scores(batch, **self.derived.forward["reward_model"].kwargs())
+                        if self.reward_model else None)
         extra_infos = list(batch["extra_info"])
         if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
             extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
@@ -265,13 +266,6 @@ class Trainer:
             reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None)
         batch["advantages"], batch["returns"] = adv, ret
         return batch
-
-    def _log_prob_split(self, section):
-        arr = self.cfg.actor_rollout_ref
-        sec = arr.rollout if section == "rollout" else arr.ref
-        if sec.log_prob_use_dynamic_bsz:
-            return dict(max_tokens=sec.log_prob_max_token_len_per_gpu)
-        return dict(micro_batch_size=sec.log_prob_micro_batch_size_per_gpu)
 
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):

@@ -420,11 +420,10 @@ class MegatronWorker:
         or by `ppo_micro_batch_size_per_gpu` from this model's config section."""
         for c in self.chunks:
             c.train()
-        if micro_batch_size is None and max_tokens is None:
-            if self.cfg.use_dynamic_bsz:
-                max_tokens = self.cfg.ppo_max_token_len_per_gpu
-            else:
-                micro_batch_size = self.cfg.ppo_micro_batch_size_per_gpu
+        if micro_batch_size is None and max_tokens is None:  # the derived plan's rule
+            from engine.config.derive import update_split
+            split = update_split(self.cfg)
+            micro_batch_size, max_tokens = split.micro_batch_size, split.max_tokens
         return micro_batch_size, max_tokens
 
     def zero_grad(self):
