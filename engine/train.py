@@ -26,6 +26,7 @@ class Components:
     checkpoints: Optional[Any]
     peak_flops: Optional[float]
     reward_model: Optional[Any] = None
+    watch: Optional[Any] = None  # engine.guards.CollectiveWatch
 
 
 def load_hf_config(model_cfg, vocab_size=None):
@@ -90,7 +91,7 @@ def copy_weights(src_chunks, dst_chunks):
                 p.copy_(src[s.global_name])
 
 
-def build(cfg, world_size) -> Components:
+def build(cfg, world_size, watch=None) -> Components:
     """Every component of a run, on this rank, from a validated config."""
     from engine.config import derive
     from engine.perf import peak_flops_per_rank
@@ -104,7 +105,7 @@ def build(cfg, world_size) -> Components:
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    init_mesh(derived.layout, seed=arr.actor.megatron.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
     from engine.config import validate_layout
     from engine.models.arch import arch_spec
@@ -163,7 +164,7 @@ def build(cfg, world_size) -> Components:
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model)
+                               train_data, val_data, checkpoints, peak, reward_model, watch)
 
 
 def build_rollout(cfg, topology, hf_config, tokenizer):
@@ -222,15 +223,25 @@ def main(argv=None):
     cfg = load_config(recipe, overrides)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
-    init_distributed()
+    from engine.guards import CollectiveWatch, is_collective_failure
+    watch = CollectiveWatch().install()
+    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + dist.get_rank())
-    derived, components = build(cfg, dist.get_world_size())
-    trainer = Trainer(derived, components)
+    components = None
     try:
-        trainer.fit()
+        derived, components = build(cfg, dist.get_world_size(), watch=watch)
+        Trainer(derived, components).fit()
+    except Exception as e:
+        if not is_collective_failure(e):
+            raise
+        # a peer died or stopped answering: one line, then leave at once (tearing the process
+        # group down would wait for the dead peer); torchrun sees the failure and ends the job
+        print(watch.describe(e, cfg.trainer.collective_timeout_s), file=sys.stderr, flush=True)
+        os._exit(1)
     finally:
-        components.rollout.shutdown()
-        components.reward_fn.close()
+        if components is not None:
+            components.rollout.shutdown()
+            components.reward_fn.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -21,7 +21,9 @@ from megatron.core import parallel_state as ps
 from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
+from engine import faults
 from engine.data import PromptLoader
+from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp)
@@ -56,6 +58,11 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
+        self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
+        for worker in (self.actor, self.critic):
+            if worker is not None:
+                worker.oom_retries = cfg.trainer.oom_retry
         workers = {"actor": self.actor, "critic": self.critic, "ref": self.ref,
                    "reward_model": self.reward_model}
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
@@ -85,8 +92,13 @@ class Trainer:
             self.logger.log(self.validate(), self.step_count)
         while self.step_count < self.total_steps:
             prompts = self.loader.next_batch()
+            faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
+            if self.guard.after_step(metrics, metrics.pop("train/applied_update") > 0):
+                self.logger.log(metrics, self.step_count)
+                self.rollback()
+                continue
             if trainer.test_freq > 0 and (self.step_count % trainer.test_freq == 0
                                           or self.step_count == self.total_steps):
                 metrics.update(self.validate())
@@ -145,15 +157,21 @@ class Trainer:
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
-            if self.critic is not None:
+            # NaN / Inf rewards (a broken verifier, a reward model gone bad) train nothing
+            finite = self.guard.finite(batch["token_level_rewards"])
+            metrics["train/applied_update"] = 0.0
+            if finite and self.critic is not None:
                 self.hybrid.enter("critic_update")
                 with self._phase("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch, **self.derived.critic.update.kwargs()))
-            self.hybrid.enter("actor_update")
-            with self._phase("update_actor", timings):
-                metrics.update(self.actor.update_policy(
-                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                    kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
+            if finite:
+                self.hybrid.enter("actor_update")
+                with self._phase("update_actor", timings):
+                    metrics.update(self.actor.update_policy(
+                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                        kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
+                steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
+                metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
         metrics["perf/update_weights_gb"] = sync.bytes / 1e9
@@ -178,6 +196,9 @@ class Trainer:
     @contextlib.contextmanager
     def _phase(self, name, timings):
         """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
+        faults.act(name)
+        if self.watch is not None:
+            self.watch.phase = name
         if self.comm is not None:
             self.comm.phase = name
         with Timer(name, timings):
@@ -326,6 +347,8 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
+                "guard": self.guard.state_dict(),
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}}
 
@@ -345,6 +368,9 @@ class Trainer:
         if self.kl_guard is not None and state.get("kl_guard") is not None:
             self.kl_guard.load_state_dict(state["kl_guard"])
         self.kl_loss_coef = float(state.get("kl_loss_coef", self.kl_loss_coef))
+        self.guard.load_state_dict(state.get("guard", {}))
+        for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
+            self.workers()[name].split = tuple(split)
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -362,6 +388,23 @@ class Trainer:
             self.hybrid.enter("checkpoint")
             self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
                                   contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+    def rollback(self):
+        """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
+        checkpoint (its weights, data position, RNG) with a lower LR; without one, the current
+        weights are the last good ones (nothing non-finite was applied): lower the LR in place."""
+        guard = self.guard.state_dict()
+        path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
+        if path is not None:
+            self.hybrid.enter("checkpoint")
+            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.logger.truncate_after(self.step_count)
+        self.guard.load_state_dict(guard)
+        scale = self.guard.lower_lr(list(self.workers().values()))
+        if self.rank == 0:
+            print(f"non-finite values in {self.guard.max_skips} steps in a row: "
+                  f"{'rolled back to ' + path if path else 'no checkpoint to roll back to'}; "
+                  f"the LR is now x{scale:g} of the recipe's (trainer.rollback_lr_factor)", flush=True)
 
     def resume(self):
         t = self.cfg.trainer

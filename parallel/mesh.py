@@ -98,7 +98,7 @@ def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta: fractions of a minute are fine
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(seed)

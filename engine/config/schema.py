@@ -337,6 +337,11 @@ class TrainerConfig:
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
     profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
     seed: int = 1
+    # Never lose a run (engine/trainer.py, engine/workers/template.py):
+    oom_retry: int = 2                # out of memory in a micro-batch: retries at half the size (0: off)
+    max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
+    rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
+    collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
 
 
 @dataclass

@@ -273,6 +273,10 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     _check(t, p, "test_freq", ge=1, allow=(-1,))
     _check(t, p, "save_freq", ge=1, allow=(-1,))
     _check(t, p, "max_actor_ckpt_to_keep", ge=1, optional=True)
+    _check(t, p, "oom_retry", ge=0)
+    _check(t, p, "max_nonfinite_skips", ge=1)
+    _check(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
+    _check(t, p, "collective_timeout_s", ge=1)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")

@@ -5,15 +5,15 @@ divided by the mini-batch's *global* token / sequence counts (all micro-batches,
 and the schedule neither averages over micro-batches nor over DP ranks. Splitting the batch
 differently (micro-batch size, dynamic batching, DP, PP) therefore gives the same gradients.
 """
-from collections import defaultdict
-
 import torch
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.kl import kl_penalty
-from engine.algorithms.losses import POLICY_LOSSES, LossNormaliser, entropy_bonus, kl_loss, token_weights
+from engine.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, token_weights
+from engine import faults
 from engine.batch import Batch
-from engine.workers.base import MegatronWorker, global_counts
+from engine.workers.base import MegatronWorker
+from engine.workers.template import train_epochs
 from kernels.logprob import linear_logprob_entropy, linear_token_loss
 
 
@@ -64,6 +64,9 @@ class LogProbModel(MegatronWorker):
 
 
 class ActorWorker(LogProbModel):
+    name = "actor"
+    oom_retries = 0  # trainer.oom_retry
+
     def __init__(self, hf_config, actor_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
@@ -71,15 +74,6 @@ class ActorWorker(LogProbModel):
                          pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay)
         self.cfg = actor_cfg
         self.response_length = response_length
-
-    def _mini_batches(self, batch, epoch):
-        n = len(batch)
-        order = torch.arange(n)
-        if self.cfg.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(
-                self.cfg.megatron.seed + epoch))
-        size = self.mini_batch_size_per_rank or n
-        return [order[i:i + size].tolist() for i in range(0, n, size)]
 
     mini_batch_size_per_rank = None  # set by the trainer from engine.config.derive
 
@@ -96,35 +90,28 @@ class ActorWorker(LogProbModel):
         """
         cfg = self.cfg
         self.kl_coef = cfg.kl_loss_coef if kl_coef is None else float(kl_coef)
-        if "old_log_probs" not in batch and (cfg.ppo_epochs != 1 or len(self._mini_batches(batch, 0)) != 1):
+        one_mini_batch = (self.mini_batch_size_per_rank or len(batch)) >= len(batch)
+        if "old_log_probs" not in batch and (cfg.ppo_epochs != 1 or not one_mini_batch):
             raise ValueError("update_policy: old_log_probs are needed unless the update is one "
                              "epoch of one mini-batch (on-policy); compute them with "
                              "compute_log_prob first")
         micro_batch_size, max_tokens = self.start_update(micro_batch_size, max_tokens)
-        history = defaultdict(list)
-        dp_group = ps.get_data_parallel_group()
-        for epoch in range(cfg.ppo_epochs):
-            for rows in self._mini_batches(batch, epoch):
-                mini = batch.index_select(rows)
-                norm = global_counts(LossNormaliser.from_mask(
-                    mini["response_mask"], self.response_length), dp_group)
-                micro = self.micro_batches(mini, micro_batch_size=micro_batch_size,
-                                           max_tokens=max_tokens)
-                self.zero_grad()
-                infos = self.run(micro, lambda h, mb: self._policy_loss(h, mb, mini, norm,
-                                                                        temperature),
-                                 forward_only=False)
-                grad_norm, lr, _ = self.optimizer_step()
-                stats = self._reduce_metrics(infos)
-                for k, v in stats.items():
-                    history[k].append(v)
-                history["actor/grad_norm"].append(grad_norm)
-                if cfg.use_kl_loss:
-                    history["actor/kl_coef"].append(self.kl_coef)
-                history["actor/lr"].append(lr)
-        return {k: sum(v) / len(v) for k, v in history.items()}
+        out = train_epochs(self, batch, lambda h, mb, mini, norm: self._policy_loss(h, mb, mini, norm, temperature),
+                           self._reduce_metrics, epochs=cfg.ppo_epochs, mini_size=self.mini_batch_size_per_rank,
+                           response_length=self.response_length, micro_batch_size=micro_batch_size,
+                           max_tokens=max_tokens, oom_retries=self.oom_retries,
+                           order_seed=cfg.megatron.seed if cfg.shuffle else None)
+        if cfg.use_kl_loss:
+            out["actor/kl_coef"] = self.kl_coef
+        return out
 
     def _policy_loss(self, hidden, mb, mini, norm, temperature):
+        loss, metrics = self._policy_loss_terms(hidden, mb, mini, norm, temperature)
+        if faults.fault("nan_loss"):  # tests: a NaN loss must be skipped, never applied
+            loss = loss * float("nan")
+        return loss, metrics
+
+    def _policy_loss_terms(self, hidden, mb, mini, norm, temperature):
         """The micro-batch's loss and metrics. Per-token objectives (every policy loss but
         GSPO's sequence ratio) take the single-pass kernel, which makes the gradients while the
         logits of a chunk are at hand; GSPO and `use_fused_kernels=False` differentiate the
@@ -219,6 +206,8 @@ class ActorWorker(LogProbModel):
 
 
 class ReferenceWorker(LogProbModel):
+    name = "ref"
+
     """The frozen reference policy: forward only, parameters offloadable between uses."""
 
     def __init__(self, hf_config, ref_megatron_cfg, model_cfg, *, pad_token_id=0):
