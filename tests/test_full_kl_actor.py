@@ -54,12 +54,19 @@ def _actor_update(layout_kwargs, kind, fused, agg):
     old = actor.compute_log_prob(batch, temperature=TEMPERATURE, micro_batch_size=4)
     batch["old_log_probs"] = old + batch["noise"] * mask
     out = ref.forward_outputs(batch, temperature=TEMPERATURE, micro_batch_size=3, with_hidden=True)
-    batch["ref_log_prob"], batch["ref_hidden"] = out["log_prob"], out["hidden"]
-    batch.meta["ref_output_weight"] = out["output_weight"]
-    assert [h.shape for h in out["hidden"]] == [(int(n), hf.hidden_size) for n in mask.sum(-1)]
+    batch["ref_log_prob"] = out["log_prob"]
+    if actor.is_last_stage:  # where the loss runs; earlier pipeline stages get no hidden states
+        batch["ref_hidden"] = out["hidden"]
+        batch.meta["ref_output_weight"] = out["output_weight"]
+        assert [h.shape for h in out["hidden"]] == [(int(n), hf.hidden_size) for n in mask.sum(-1)]
+    else:
+        assert "hidden" not in out
+    # the in-reward KL's pass (algorithm.kl_penalty=full): the exact KL before the update
+    full_kl = actor.forward_outputs(batch, temperature=TEMPERATURE, micro_batch_size=5,
+                                    with_full_kl=True)["full_kl"]
     metrics = actor.update_policy(batch, temperature=TEMPERATURE)
     return dict(metrics=metrics, grads=dict(iter_global(actor.chunks, "grad")),
-                old=old, ref_log_prob=out["log_prob"])
+                full_kl=full_kl, ref_log_prob=out["log_prob"])
 
 
 def _full_logit_loss(kind, agg, with_kl=True):
@@ -115,7 +122,8 @@ def _full_logit_loss(kind, agg, with_kl=True):
     params = [(p, s.global_name) for p, s in local_shards(policy.chunks)]
     grads = torch.autograd.grad(loss, [p for p, _ in params])
     metrics = {"actor/pg_loss": float(pg), "actor/entropy": float(ent), "actor/kl_loss": float(kl),
-               "actor/grad_norm": float(torch.sqrt(sum((g * g).sum() for g in grads)))}
+               "actor/grad_norm": float(torch.sqrt(sum((g * g).sum() for g in grads))),
+               "full_kl": exact.detach()}
     return {n: g for (_, n), g in zip(params, grads)}, metrics
 
 
@@ -129,13 +137,19 @@ def _want(kind, agg, with_kl=True):
     return _WANT[key]
 
 
-def _check(got, want_grads, want_metrics):
-    for k, v in want_metrics.items():
-        assert got["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
-    assert got["metrics"]["actor/kl_loss"] > 0
-    assert set(got["grads"]) == set(want_grads)
+def _check(results, want_grads, want_metrics):
+    """Every rank's metrics and exact KLs; the ranks' gradients together (pipeline stages)."""
+    grads = {}
+    for got in results:
+        torch.testing.assert_close(got["full_kl"], want_metrics["full_kl"], rtol=1e-4, atol=1e-6)
+        for k, v in want_metrics.items():
+            if k != "full_kl":
+                assert got["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+        assert got["metrics"]["actor/kl_loss"] > 0
+        grads.update(got["grads"])
+    assert set(grads) == set(want_grads)
     for n, g in want_grads.items():
-        torch.testing.assert_close(got["grads"][n], g, rtol=1e-4, atol=2e-6, msg=n)
+        torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=2e-6, msg=n)
 
 
 @pytest.mark.parametrize("kind,fused,agg", [
@@ -146,19 +160,22 @@ def _check(got, want_grads, want_metrics):
 ], ids=["full-single-pass", "full-autograd", "full+-single-pass-seqmean", "full+-autograd"])
 def test_update_equals_full_logit_autograd(kind, fused, agg):
     want_grads, want_metrics = _want(kind, agg)
-    [got] = run_on_ranks(_actor_update, 1, {}, kind, fused, agg)
-    _check(got, want_grads, want_metrics)
+    results = run_on_ranks(_actor_update, 1, {}, kind, fused, agg)
+    _check(results, want_grads, want_metrics)
     # the KL term moves the gradient far beyond the tolerance (the test sees it)
     no_kl, _ = _want(kind, agg, with_kl=False)
     assert max(float((no_kl[n] - g).abs().max()) for n, g in want_grads.items()) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["full", "full+"])
-def test_tensor_parallel_update_equals_full_logit_autograd(kind):
+@pytest.mark.parametrize("layout,kind", [(dict(tp=2), "full"), (dict(tp=2), "full+"),
+                                         (dict(tp=2, sequence_parallel=True), "full"),
+                                         (dict(pp=2), "full")],
+                         ids=["tp2-full", "tp2-full+", "tp2-sp-full", "pp2-full"])
+def test_model_parallel_update_equals_full_logit_autograd(layout, kind):
     """Vocab-parallel at TP 2 (each rank: its shard of both output weights, the whole hidden
-    states): the gathered gradients equal the single-process full-logit ones."""
+    states, gathered under sequence parallelism), and PP 2 (the reference's hidden states on
+    the last stage only): the gathered gradients equal the single-process full-logit ones."""
     want_grads, want_metrics = _want(kind, "token-mean")
-    results = run_on_ranks(_actor_update, 2, dict(tp=2), kind, True, "token-mean")
+    results = run_on_ranks(_actor_update, 2, layout, kind, True, "token-mean")
     torch.testing.assert_close(results[0]["ref_log_prob"], results[1]["ref_log_prob"])
-    for got in results:
-        _check(got, want_grads, want_metrics)
+    _check(results, want_grads, want_metrics)
