@@ -179,3 +179,42 @@ def test_model_parallel_update_equals_full_logit_autograd(layout, kind):
     results = run_on_ranks(_actor_update, 2, layout, kind, True, "token-mean")
     torch.testing.assert_close(results[0]["ref_log_prob"], results[1]["ref_log_prob"])
     _check(results, want_grads, want_metrics)
+
+
+def _kept_bytes():
+    """Host bytes the reference pass keeps for the exact KL, every response at full length."""
+    from engine.batch import Batch
+    from engine.workers.actor import ReferenceWorker
+    from parallel.mesh import Layout, init_mesh
+
+    init_mesh(Layout(), seed=1)
+    hf = tiny_config("llama")
+    actor_cfg, model_cfg = _cfgs("full", True, "token-mean")
+    ref = ReferenceWorker(hf, actor_cfg.megatron, model_cfg)
+    b, p = 6, 3
+    ids = torch.randint(1, hf.vocab_size, (b, p + R), generator=torch.Generator().manual_seed(0))
+    batch = Batch(dict(input_ids=ids, attention_mask=torch.ones_like(ids), responses=ids[:, p:],
+                       response_mask=torch.ones(b, R, dtype=torch.long)))
+    out = ref.forward_outputs(batch, micro_batch_size=4, with_hidden=True)
+    return sum(h.numel() * h.element_size() for h in out["hidden"]) + \
+        out["output_weight"].numel() * out["output_weight"].element_size()
+
+
+def test_planner_counts_the_kept_hidden_states():
+    from engine.config import from_dict
+    from tools.plan import estimate
+
+    model = dict(tiny_config("llama").to_dict(), model_type="llama")
+    cfg = from_dict({
+        "data": {"builtin_task": "arith", "max_prompt_length": 3, "max_response_length": R,
+                 "train_batch_size": 3},
+        "actor_rollout_ref": {
+            "model": {"config": model},
+            "actor": {"ppo_mini_batch_size": 3, "ppo_micro_batch_size_per_gpu": 2,
+                      "use_kl_loss": True, "kl_loss_type": "full",
+                      "megatron": {"params_dtype": "float32"}},
+            "rollout": {"name": "cpu", "n": 2}},
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {"nnodes": 1, "n_gpus_per_node": 1, "device": "cpu"}})
+    plan = estimate(cfg, 1, gpu_mem_gib=64, device="cpu")
+    assert plan["host"]["ref_hidden"] == run_on_ranks(_kept_bytes, 1)[0]  # 3 prompts x 2 = 6 rows
