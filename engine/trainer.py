@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.kl import KLGuard, make_kl_controller
+from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.data import PromptLoader
@@ -83,6 +83,11 @@ class Trainer:
                                    and not alg.use_kl_in_reward)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
+        # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
+        # the reward, it runs before the old-log-prob pass, which computes the KL from them
+        self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
+        self.keep_ref_hidden = self.full_kl_in_reward or (
+            arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self):
@@ -138,18 +143,19 @@ class Trainer:
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
             metrics = self._reward_extra_metrics(extra)
+            if self.ref is not None and self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
                 self.hybrid.enter("old_log_prob")
                 with self._phase("old_log_prob", timings):
-                    batch["old_log_probs"] = self.actor.compute_log_prob(
+                    out = self.actor.forward_outputs(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self.derived.forward["actor"].kwargs())
-            if self.ref is not None:
-                self.hybrid.enter("ref")
-                with self._phase("ref", timings):
-                    batch["ref_log_prob"] = self.ref.compute_log_prob(
-                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self.derived.forward["ref"].kwargs())
+                        with_full_kl=self.full_kl_in_reward, **self.derived.forward["actor"].kwargs())
+                    batch["old_log_probs"] = out["log_prob"]
+                    if self.full_kl_in_reward:
+                        batch["old_full_kl"] = out["full_kl"]
+            if self.ref is not None and not self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if self.critic is not None:
                 self.hybrid.enter("values")
                 with self._phase("values", timings):
@@ -188,6 +194,19 @@ class Trainer:
         return metrics
 
     # -- steps -----------------------------------------------------------------------------
+    def _reference_pass(self, batch, timings):
+        """Reference log-probs; for the exact KL also its hidden states and output-weight shard
+        (host memory, last pipeline stage only: see engine/workers/actor.py)."""
+        self.hybrid.enter("ref")
+        with self._phase("ref", timings):
+            out = self.ref.forward_outputs(
+                batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                with_hidden=self.keep_ref_hidden, **self.derived.forward["ref"].kwargs())
+        batch["ref_log_prob"] = out["log_prob"]
+        if "hidden" in out:
+            batch["ref_hidden"] = out["hidden"]
+            batch.meta["ref_output_weight"] = out["output_weight"]
+
     def sync_weights(self):
         """The colocated sync: training state out, the actor's weights into the rollout engines,
         their KV cache in; ends in the generate phase."""
@@ -268,7 +287,8 @@ class Trainer:
             return {}
         rewards, metrics = apply_kl_penalty(
             batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty)
+            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty,
+            full_kl=batch["old_full_kl"] if self.full_kl_in_reward else None)
         batch["token_level_rewards"] = rewards
         kl = torch.tensor([float(metrics["actor/reward_kl_penalty"])])
         dist.all_reduce(kl, group=ps.get_data_parallel_group())

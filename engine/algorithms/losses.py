@@ -309,20 +309,24 @@ def entropy_bonus(entropy, response_mask, loss_agg_mode="token-mean", normaliser
 
 
 def kl_loss(log_prob, ref_log_prob, response_mask, kl_loss_type="low_var_kl",
-            loss_agg_mode="token-mean", normaliser=None):
+            loss_agg_mode="token-mean", normaliser=None, full_kl=None):
     """KL to the reference policy as a loss term (actor_rollout_ref.actor.use_kl_loss):
-    agg(kl_penalty(logp, ref_logp, kl_loss_type)). The actor adds `kl_loss_coef * kl_loss`."""
+    agg(kl_penalty(logp, ref_logp, kl_loss_type)). The actor adds `kl_loss_coef * kl_loss`.
+    full / full+ take the exact per-token KL as `full_kl` (kernels.kl.linear_full_kl)."""
     from engine.algorithms.kl import kl_penalty  # sibling module, written separately
 
-    kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
+    kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type, full_kl=full_kl)
     return agg_loss(kld, response_mask, loss_agg_mode, **_normaliser_kwargs(normaliser))
 
 
 @torch.no_grad()
 def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, kl_coef,
-                     kl_penalty_kind="kl"):
+                     kl_penalty_kind="kl", full_kl=None):
     """KL in the reward (algorithm.use_kl_in_reward):
         rewards_t = scores_t - kl_coef * kl_penalty(old_logp_t, ref_logp_t) * mask_t
+
+    full / full+ (the same here: a reward has no gradient) take the exact per-token
+    KL(pi_old || ref) as `full_kl`.
 
     Returns (token_level_rewards, metrics): `actor/reward_kl_penalty` is the batch mean of
     each row's token-mean KL (what the adaptive KL controller is updated with) and
@@ -331,7 +335,7 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     from engine.algorithms.kl import kl_penalty  # sibling module, written separately
 
     mask = response_mask.to(token_level_scores.dtype)
-    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_kind)
+    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_kind, full_kl=full_kl)
     kld = torch.where(mask > 0, kld, torch.zeros_like(kld))  # padding may hold inf
     rewards = token_level_scores - kl_coef * kld
     row_kl = kld.sum(-1) / mask.sum(-1).clamp_min(1)
