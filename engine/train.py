@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node N -m engine.train RECIPE.yaml key=value ...`
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
-critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer.
+critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
+`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead.
 """
 import os
 import sys
@@ -212,13 +213,17 @@ def main(argv=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
     init_distributed()
     set_seed(cfg.trainer.seed + dist.get_rank())
-    derived, components = build(cfg, dist.get_world_size())
-    trainer = Trainer(derived, components)
-    try:
-        trainer.fit()
-    finally:
-        components.rollout.shutdown()
-        components.reward_fn.close()
+    if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+        from engine.offline.build import build_offline
+        build_offline(cfg, dist.get_world_size()).fit()
+    else:
+        derived, components = build(cfg, dist.get_world_size())
+        trainer = Trainer(derived, components)
+        try:
+            trainer.fit()
+        finally:
+            components.rollout.shutdown()
+            components.reward_fn.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -35,6 +35,8 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal["console", "tensorboard", "jsonl"]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
+Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
+DpoLossType = Literal["sigmoid", "ipo"]
 
 # Estimators that compare responses within a group of n samples per prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -74,6 +76,10 @@ class DataConfig:
     builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
+    # Preference pairs (trainer.task reward_model / dpo), verl's RM dataset names
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
 
 
 @dataclass
@@ -272,6 +278,16 @@ class KlGuardConfig:
 
 
 @dataclass
+class DpoConfig:
+    """trainer.task=dpo (TRL's names)."""
+    beta: float = 0.1
+    loss_type: DpoLossType = "sigmoid"
+    # true: the data's ref_chosen_logps / ref_rejected_logps columns (summed log-probs of the
+    # responses under the reference) replace the reference model, which is then not built
+    precomputed_ref_log_probs: bool = False
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "gae"
     gamma: float = 1.0
@@ -281,6 +297,7 @@ class AlgorithmConfig:
     kl_penalty: KlEstimator = "kl"
     kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
     kl_guard: KlGuardConfig = field(default_factory=KlGuardConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 @dataclass
@@ -305,6 +322,9 @@ class TrainerConfig:
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
     profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
     seed: int = 1
+    # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
+    # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
+    task: Task = "ppo"
 
 
 @dataclass

@@ -278,13 +278,17 @@ class MegatronWorker:
 
     # -- micro-batching --------------------------------------------------------------------
     def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,
-                      rows: Optional[List[int]] = None) -> List[MicroBatch]:
-        rows = list(range(len(batch))) if rows is None else list(rows)
-        if max_tokens is not None:
-            lengths = batch["attention_mask"][rows].sum(-1).tolist()
-            groups = [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
-        else:
-            groups = [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
+                      rows: Optional[List[int]] = None,
+                      groups: Optional[List[List[int]]] = None) -> List[MicroBatch]:
+        """`groups`: the rows of each micro-batch, given (e.g. whole preference pairs), instead
+        of a split by count or tokens."""
+        if groups is None:
+            rows = list(range(len(batch))) if rows is None else list(rows)
+            if max_tokens is not None:
+                lengths = batch["attention_mask"][rows].sum(-1).tolist()
+                groups = [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
+            else:
+                groups = [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
         packed = bool(self.model_cfg.use_remove_padding)
         multiple = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         cp = ps.get_context_parallel_world_size()
