@@ -57,6 +57,16 @@ def read_preference_rows(files):
 
 
 def write_preference_parquet(rows, path):
+    """Rows to parquet; a column must hold one kind of value (parquet columns are typed)."""
+    kinds = {}
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            kind = "messages" if isinstance(value, (list, tuple)) else "text" \
+                if isinstance(value, str) else None
+            if kind and kinds.setdefault(key, (kind, i))[0] != kind:
+                first, at = kinds[key]
+                raise ValueError(f"column {key!r} holds {first} (row {at}) and {kind} (row {i}); "
+                                 "a parquet column has one type: write every row one way")
     write_prompt_parquet(rows, path)
 
 
