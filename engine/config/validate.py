@@ -38,6 +38,7 @@ def _check(obj: Any, prefix: str, name: str, *, gt=None, ge=None, le=None,
 def validate(cfg: TridentConfig) -> None:
     """Raise ConfigError for the first impossible value or inconsistent combination."""
     _validate_data(cfg.data)
+    _validate_task(cfg)  # first: an offline task refuses PPO-only sections before they are checked
     arr = cfg.actor_rollout_ref
     if arr.actor.megatron.params_dtype is None:
         _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
@@ -56,7 +57,6 @@ def validate(cfg: TridentConfig) -> None:
     _validate_reward_model(cfg.reward_model)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
-    _validate_task(cfg)
 
 
 def _validate_data(data: DataConfig) -> None:
