@@ -29,6 +29,7 @@ def test_offline_recipes_validate_and_derive():
     (RM, "actor_rollout_ref.actor.ppo_epochs=2", r"ppo_epochs=2: .*total_epochs"),
     (DPO, "actor_rollout_ref.actor.use_kl_loss=true", r"use_kl_loss=True: "),
     (RM, "critic.enable=true", r"critic.enable=True: "),
+    (RM, "actor_rollout_ref.actor.shuffle=true", r"actor.shuffle=True: "),
     (RM, "reward_model.enable=true", r"reward_model.enable=True: "),
     (DPO, "algorithm.use_kl_in_reward=true", r"algorithm.use_kl_in_reward=True: "),
     (DPO, "data.margin_key=margin", r"data.margin_key='margin': .*reward model.*trainer.task="

@@ -286,6 +286,7 @@ def _validate_task(cfg: TridentConfig) -> None:
         ("actor_rollout_ref.actor.ppo_epochs", arr.actor.ppo_epochs, arr.actor.ppo_epochs != 1),
         ("actor_rollout_ref.actor.use_kl_loss", True, arr.actor.use_kl_loss),
         ("actor_rollout_ref.actor.router_replay", True, arr.actor.router_replay),
+        ("actor_rollout_ref.actor.shuffle", True, arr.actor.shuffle),
         ("algorithm.use_kl_in_reward", True, cfg.algorithm.use_kl_in_reward),
         ("critic.enable", True, cfg.critic.enable is True),
         ("reward_model.enable", True, cfg.reward_model.enable)]

@@ -8,6 +8,7 @@ metrics summed over DP, so `val/*` is the whole held-out set's mean whatever the
 import math
 import os
 import random
+import shutil
 
 import numpy as np
 import torch
@@ -161,7 +162,10 @@ class OfflineTrainer:
         from engine.models.hf_io import save_hf_weights
         out = os.path.join(self.cfg.trainer.default_local_dir, "hf", f"step_{self.step_count}")
         source = self.cfg.actor_rollout_ref.model.path
-        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            if os.path.isdir(out):  # a re-run of the same steps (resume_mode=disable) replaces it
+                shutil.rmtree(out)
         dist.barrier()
         save_hf_weights(self.model.chunks, self.export_config(), out, source_dir=source)
         if self.rank == 0 and not source:  # a built-in task's (or inline model's) tokenizer
