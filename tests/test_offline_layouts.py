@@ -67,7 +67,6 @@ def _my_pairs(examples):
 
 
 def _run_update(layout, task, micro, dynamic, packed):
-    from engine.offline.data import pair_batch  # noqa: F401  (imported in the worker process)
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import iter_global, load_global, local_shards
 

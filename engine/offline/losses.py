@@ -7,7 +7,6 @@ DPO, with h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)) over w
     sigmoid  -log sigmoid(beta h)                 (Rafailov et al. 2023)
     ipo      (h - 1 / (2 beta))^2                 (Azar et al. 2023, on sequence log-probs)
 """
-import torch
 import torch.nn.functional as F
 
 
