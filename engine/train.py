@@ -98,18 +98,14 @@ def build(cfg, world_size) -> Components:
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
-    from parallel.mesh import Layout, init_mesh
+    from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)
     train_data, val_data = load_datasets(cfg, tokenizer)
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
     from engine.config import validate_layout
     from engine.models.arch import arch_spec
@@ -123,24 +119,36 @@ def build(cfg, world_size) -> Components:
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
     critic = ref = None
-    if derived.use_critic:
-        critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
+    if derived.use_critic:  # its own model (critic.model.path / config; the actor's when unset)
+        own = (cfg.critic.model.path, cfg.critic.model.config) != (arr.model.path, arr.model.config)
+        critic_hf = load_hf_config(cfg.critic.model, vocab_size=len(tokenizer)) if own else hf_config
+        critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
     if derived.use_reference:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    from engine.models.hf_io import load_hf_weights
     if arr.model.path:
-        from engine.models.hf_io import load_hf_weights
-        for worker in (w for w in (actor, ref, critic) if w is not None):
+        for worker in (w for w in (actor, ref) if w is not None):
             load_hf_weights(worker.chunks, arr.model.path)
-        for worker in (actor, critic):
-            if worker is not None and worker.optimizer is not None:
-                worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
+    if critic is not None and cfg.critic.model.path:
+        # a reward model's checkpoint initialises the value head from its score head
+        load_hf_weights(critic.chunks, cfg.critic.model.path, hf_config=critic.hf_config)
+    for worker in (actor, critic):
+        if worker is not None and worker.optimizer is not None:
+            worker.optimizer.reload_model_params()
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
-    reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    custom = None
+    if cfg.custom_reward_function.path:
+        from engine.rewards.custom import load_custom_reward
+        custom = load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
+                              reward_manager=cfg.reward_model.reward_manager,
+                              overlong=cfg.reward_model.overlong_buffer,
+                              max_response_length=arr.rollout.response_length)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights
@@ -185,7 +193,11 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, **record)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return dict(pad_token_id=pad, **record)
+    out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
+    if r.name == "hf":  # on the GPU in the actor's dtype
+        from engine.workers.base import DTYPES
+        out["dtype"] = DTYPES[arr.actor.megatron.params_dtype]
+    return out
 
 
 def _config_dir(hf_config, tokenizer):

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import typing
 from typing import Any, Optional
 
-from engine.config.schema import (GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, DpoConfig,
-                                  MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig,
+from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
+                                  DpoConfig, MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig,
                                   TridentConfig, _join)
 
 
@@ -54,7 +55,7 @@ def validate(cfg: TridentConfig) -> None:
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
-    _validate_reward_model(cfg.reward_model)
+    _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
 
@@ -133,6 +134,9 @@ def _validate_actor(cfg: TridentConfig) -> None:
     _check(actor, p, "kl_loss_coef", ge=0.0)
     _validate_optim(actor.optim, f"{p}.optim")
     _validate_megatron(actor.megatron, f"{p}.megatron", is_actor=True)
+    if "model" not in actor.checkpoint.save_contents:
+        _fail(f"{p}.checkpoint.save_contents", actor.checkpoint.save_contents,
+              "a checkpoint always holds the model; list 'model' (plus 'optimizer' and 'extra' to resume exactly)")
 
 
 def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_required: bool) -> None:
@@ -180,6 +184,8 @@ def _validate_rollout(cfg: TridentConfig) -> None:
             _fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
     if r.name == "sglang" and cfg.trainer.device == "cpu" and not sglang_test_double():
         _fail(f"{p}.name", "sglang", "SGLang needs a GPU but trainer.device='cpu'; use rollout.name=cpu")
+    if r.name == "hf" and cfg.trainer.device == "cpu":
+        _fail(f"{p}.name", "hf", "the transformers GPU rollout needs trainer.device='cuda'; use rollout.name=cpu")
 
 
 def sglang_test_double() -> bool:
@@ -194,9 +200,9 @@ def sglang_test_double() -> bool:
 
 def _validate_critic(cfg: TridentConfig) -> None:
     c, p = cfg.critic, "critic"
-    if c.enable is False and cfg.algorithm.adv_estimator == "gae":
-        _fail("critic.enable", False, "algorithm.adv_estimator='gae' needs a critic; set critic.enable=true "
-              "(or null), or pick an estimator without a critic such as 'grpo'")
+    if c.enable is False and cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        _fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
+              "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
     _validate_model(c.model, "critic.model", cfg.data, required=False)
     _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
     _check(c, p, "ppo_epochs", ge=1, optional=True)
@@ -205,7 +211,7 @@ def _validate_critic(cfg: TridentConfig) -> None:
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
 
 
-def _validate_reward_model(rm: RewardModelConfig) -> None:
+def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
     p = "reward_model"
     _check(rm, p, "num_workers", ge=0)
     _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
@@ -217,6 +223,16 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
         config_from(rm.sandbox)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if rm.overlong_buffer.enable and not 0 < rm.overlong_buffer.len < max_response_length:
+        _fail(f"{p}.overlong_buffer.len", rm.overlong_buffer.len,
+              f"overlong_buffer.enable=true needs 0 < len < data.max_response_length ({max_response_length}): "
+              f"the last `len` tokens before the limit carry the penalty, e.g. {max(1, max_response_length // 4)}")
+    if custom.path is not None and not os.path.isfile(os.path.expanduser(custom.path)):
+        _fail("custom_reward_function.path", custom.path, "no such file; give the path of a Python file defining "
+              f"{custom.name}(data_source, solution_str, ground_truth, extra_info)")
+    if rm.reward_manager == "batch" and custom.path is None:
+        _fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
+              "set custom_reward_function.path (and .name), or use reward_manager=naive")
     if rm.enable and rm.model.path is None:
         _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
               "set it, or set reward_model.enable=false to use rule rewards")
@@ -236,6 +252,9 @@ def _validate_algorithm(cfg: TridentConfig) -> None:
     _check(a.kl_guard, g, "entropy_floor", ge=0.0)
     _check(a.kl_guard, g, "raise_factor", ge=1.0)
     _check(a.kl_guard, g, "lower_factor", gt=0.0, le=1.0)
+    w = a.kl_guard.warn_range
+    if len(w) != 2 or not 0 <= w[0] <= w[1]:
+        _fail(f"{g}.warn_range", w, "must be [low, high] with 0 <= low <= high, e.g. [0.0005, 0.01]")
     n = cfg.actor_rollout_ref.rollout.n
     if a.adv_estimator in GROUP_ESTIMATORS and n < 2:
         _fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "
@@ -244,6 +263,11 @@ def _validate_algorithm(cfg: TridentConfig) -> None:
 
 def _validate_trainer(cfg: TridentConfig) -> None:
     t, p = cfg.trainer, "trainer"
+    from engine.metrics import check_loggers
+    try:
+        check_loggers(t.logger)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for name in ("nnodes", "n_gpus_per_node", "total_epochs"):
         _check(t, p, name, ge=1)
     _check(t, p, "total_training_steps", ge=1, optional=True)

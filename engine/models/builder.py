@@ -42,7 +42,7 @@ def te_available():
 
 
 # ------------------------------------------------------------------------------------------
-# Megatron's kernel fusions. Recipe key (proposed; the lead wires it from engine/config.py):
+# Megatron's kernel fusions. Recipe key (each model's megatron section):
 #     actor_rollout_ref.actor.megatron.fusions: {gradient_accumulation_fusion: false, ...}
 # A name absent (or null) is decided by what is installed; true asks for it and fails with a
 # message when it cannot run here; false turns it off.

@@ -35,18 +35,14 @@ def build_offline(cfg, world_size):
     from engine.offline.trainer import DPOTrainer, RewardModelTrainer
     from engine.offline.workers import DPOWorker, RewardModelTrainWorker
     from engine.train import copy_weights, load_hf_config, load_tokenizer
-    from parallel.mesh import Layout, init_mesh
+    from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)
     train_data, val_data = load_pair_datasets(cfg, tokenizer)
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
     spec = arch_spec(hf_config)
     validate_layout(cfg, world_size, num_layers=spec.transformer["num_layers"],

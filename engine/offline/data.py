@@ -218,7 +218,7 @@ class PreferenceDataset:
 class PairLoader(PromptLoader):
     """PromptLoader's seeded, resumable order over pairs; a batch is a list of examples."""
 
-    def _make_batch(self, order, b):
+    def _make_batch(self, order, b, epoch=None):
         return [self.dataset[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
 
 

@@ -5,6 +5,7 @@ Each DP rank trains on its contiguous share of a step's pairs; held-out pairs ar
 the DP ranks (padded with weight-0 repeats so every rank runs the same schedule) and their
 metrics summed over DP, so `val/*` is the whole held-out set's mean whatever the layout.
 """
+import dataclasses
 import math
 import os
 import random
@@ -32,14 +33,18 @@ class OfflineTrainer:
         self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                        else tokenizer.eos_token_id)
         self.loader = PairLoader(train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                 seed=cfg.data.seed)
+                                 seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         self.mini_pairs = derived.actor.mini_batch_size_per_rank
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
-                                    experiment=None, total_steps=self.total_steps, rank=self.rank)
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
+                                    project=cfg.trainer.project_name,
+                                    experiment=cfg.trainer.experiment_name,
+                                    total_steps=self.total_steps, rank=self.rank,
+                                    config=dataclasses.asdict(cfg))
+        self.forward = derived.forward  # forward-only splits by model (sequences)
 
     # -- what a task defines ----------------------------------------------------------------
     def train_step(self, batch, timings):
@@ -84,14 +89,13 @@ class OfflineTrainer:
         self.logger.close()
         return self.step_count
 
-    def _forward_split(self, section):
-        """Forward-only micro-batches (rollout.* for the trained model, ref.*) in sequences:
-        the keys count pairs in offline tasks."""
-        arr = self.cfg.actor_rollout_ref
-        sec = arr.rollout if section == "rollout" else arr.ref
-        if sec.log_prob_use_dynamic_bsz:
-            return dict(max_tokens=sec.log_prob_max_token_len_per_gpu)
-        return dict(micro_batch_size=2 * sec.log_prob_micro_batch_size_per_gpu)
+    def _forward_split(self, model):
+        """A forward-only pass's micro-batches (derive's: rollout.log_prob_* keys for the
+        trained model, ref.* for the reference) in sequences: the keys count pairs here."""
+        split = self.forward[model]
+        if split.max_tokens is not None:
+            return dict(max_tokens=split.max_tokens)
+        return dict(micro_batch_size=2 * split.micro_batch_size)
 
     def _throughput(self, batch, seconds):
         tokens = torch.tensor([float(batch["attention_mask"].sum())])
@@ -122,6 +126,11 @@ class OfflineTrainer:
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
+        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
+            from engine.trainer import set_seed
+            self.loader.seek(self.step_count)  # the data position follows from the step
+            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            return
         self.loader.load_state_dict(state["loader"])
         rng = state.get("rng")
         if rng:
@@ -132,7 +141,8 @@ class OfflineTrainer:
     def save(self):
         if self.checkpoints is not None:
             self.checkpoints.save(self.step_count, {self.worker_name: self.model},
-                                  self.state_dict())
+                                  self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
 
     def resume(self):
         t = self.cfg.trainer
@@ -186,7 +196,7 @@ class RewardModelTrainer(OfflineTrainer):
             return self.model.update_pairs(batch, self.mini_pairs)
 
     def eval_sums(self, batch, weight):
-        scores = self.model.compute_scores(batch, **self._forward_split("rollout")).double()
+        scores = self.model.compute_scores(batch, **self._forward_split("actor")).double()
         chosen, rejected = scores[0::2], scores[1::2]
         margin = batch["pair_margin"][0::2].double() if "pair_margin" in batch else None
         return {"loss": (weight * bradley_terry_loss(chosen, rejected, margin)).sum(),
@@ -222,7 +232,7 @@ class DPOTrainer(OfflineTrainer):
             if self._val_ref is None:
                 self._val_ref = self._ref_logps(batch)
             batch["ref_logps"] = self._val_ref
-        policy = sequence_log_probs(self.model, batch, **self._forward_split("rollout")).double()
+        policy = sequence_log_probs(self.model, batch, **self._forward_split("actor")).double()
         ref = batch["ref_logps"].double()
         losses, chosen_r, rejected_r = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2],
                                                 self.dpo.beta, self.dpo.loss_type)

@@ -11,8 +11,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.kl import kl_penalty
-from engine.algorithms.losses import (LossNormaliser, entropy_bonus, kl_loss, policy_loss,
-                                      policy_loss_gspo, policy_token_losses, token_weights)
+from engine.algorithms.losses import POLICY_LOSSES, LossNormaliser, entropy_bonus, kl_loss, token_weights
 from engine.batch import Batch
 from engine.workers.base import MegatronWorker, global_counts
 from kernels.logprob import linear_logprob_entropy, linear_token_loss
@@ -85,15 +84,18 @@ class ActorWorker(LogProbModel):
     mini_batch_size_per_rank = None  # set by the trainer from engine.config.derive
 
     def update_policy(self, batch: Batch, *, temperature=1.0, micro_batch_size=None,
-                      max_tokens=None):
+                      max_tokens=None, kl_coef=None):
         """`ppo_epochs` passes over the batch in mini-batches; one optimizer step each.
 
         batch: input_ids, attention_mask, responses, response_mask, old_log_probs, advantages,
         and ref_log_prob when `use_kl_loss`. Returns metrics averaged over optimizer steps.
         Without old_log_probs the update is on-policy by construction (one epoch, one mini-batch:
         the caller checks) and each token's old log-prob is its current one, detached.
+        `kl_coef`: the KL loss's coefficient now (trainer state: the KL guard moves it; default
+        actor.kl_loss_coef).
         """
         cfg = self.cfg
+        self.kl_coef = cfg.kl_loss_coef if kl_coef is None else float(kl_coef)
         if "old_log_probs" not in batch and (cfg.ppo_epochs != 1 or len(self._mini_batches(batch, 0)) != 1):
             raise ValueError("update_policy: old_log_probs are needed unless the update is one "
                              "epoch of one mini-batch (on-policy); compute them with "
@@ -118,7 +120,7 @@ class ActorWorker(LogProbModel):
                     history[k].append(v)
                 history["actor/grad_norm"].append(grad_norm)
                 if cfg.use_kl_loss:
-                    history["actor/kl_coef"].append(cfg.kl_loss_coef)
+                    history["actor/kl_coef"].append(self.kl_coef)
                 history["actor/lr"].append(lr)
         return {k: sum(v) / len(v) for k, v in history.items()}
 
@@ -137,7 +139,7 @@ class ActorWorker(LogProbModel):
         old = rows_of("old_log_probs")  # None: on-policy
         adv = rows_of("advantages")
         ref = rows_of("ref_log_prob") if cfg.use_kl_loss else None
-        if cfg.policy_loss != "gspo" and self.model_cfg.use_fused_kernels:
+        if POLICY_LOSSES[cfg.policy_loss].token_terms is not None and self.model_cfg.use_fused_kernels:
             loss, lp, ent = self._single_pass_loss(hidden, mb, mask, old, adv, ref, norm,
                                                    temperature)
             with torch.no_grad():  # metrics of whole sequences, identical on every CP rank
@@ -156,17 +158,7 @@ class ActorWorker(LogProbModel):
     def _loss_terms(self, log_prob, entropy_tokens, mask, old, adv, ref, norm):
         """(loss, metrics) from padded [rows, R] log-probs and entropies."""
         cfg = self.cfg
-        if cfg.policy_loss == "gspo":
-            pg, metrics = policy_loss_gspo(log_prob, old, adv, mask,
-                                           clip_ratio_low=cfg.clip_ratio_low,
-                                           clip_ratio_high=cfg.clip_ratio_high,
-                                           loss_agg_mode=cfg.loss_agg_mode, normaliser=norm)
-        else:
-            pg, metrics = policy_loss(log_prob, old, adv, mask, clip_ratio=cfg.clip_ratio,
-                                      clip_ratio_low=cfg.clip_ratio_low,
-                                      clip_ratio_high=cfg.clip_ratio_high,
-                                      clip_ratio_c=cfg.clip_ratio_c,
-                                      loss_agg_mode=cfg.loss_agg_mode, normaliser=norm)
+        pg, metrics = POLICY_LOSSES[cfg.policy_loss].loss(log_prob, old, adv, mask, cfg, cfg.loss_agg_mode, norm)
         entropy = entropy_bonus(entropy_tokens, mask, cfg.loss_agg_mode, norm)
         loss = pg - cfg.entropy_coeff * entropy
         metrics = {k: v.detach() for k, v in metrics.items()}
@@ -174,7 +166,7 @@ class ActorWorker(LogProbModel):
         metrics["actor/entropy"] = entropy.detach()
         if cfg.use_kl_loss:
             kl = kl_loss(log_prob, ref, mask, cfg.kl_loss_type, cfg.loss_agg_mode, norm)
-            loss = loss + cfg.kl_loss_coef * kl
+            loss = loss + self.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         return loss, metrics
 
@@ -189,16 +181,15 @@ class ActorWorker(LogProbModel):
         flat = lambda t: None if t is None else mb.own_predictions(mb.to_flat(t))  # noqa: E731
         weight = flat(token_weights(mask, cfg.loss_agg_mode, **norm.as_kwargs()))
         old, adv, ref = flat(old), flat(adv), flat(ref)
+        policy_terms = POLICY_LOSSES[cfg.policy_loss].token_terms
 
         def token_loss(start, end, lp, ent):
             old_lp = lp.detach() if old is None else old[start:end]
-            terms = policy_token_losses(lp, old_lp, adv[start:end], cfg.clip_ratio,
-                                        cfg.clip_ratio_low, cfg.clip_ratio_high,
-                                        cfg.clip_ratio_c)[0]
+            terms = policy_terms(lp, old_lp, adv[start:end], cfg)
             if cfg.entropy_coeff:
                 terms = terms - cfg.entropy_coeff * ent
             if ref is not None:
-                terms = terms + cfg.kl_loss_coef * kl_penalty(lp, ref[start:end], cfg.kl_loss_type)
+                terms = terms + self.kl_coef * kl_penalty(lp, ref[start:end], cfg.kl_loss_type)
             w = weight[start:end]
             # where, not multiply: a masked token's term may be inf and inf * 0 is NaN
             return torch.where(w != 0, terms, torch.zeros_like(terms)).mul(w).sum()

@@ -205,10 +205,10 @@ class MegatronWorker:
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
-                                  config_overrides=overrides, **recompute)
+                                  config_overrides=overrides, fusions=megatron_cfg.fusions, **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
-        self._offloader = Offloader()
+        self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
         if optim_cfg is not None:
             self._setup_training(optim_cfg, total_steps)
         for model in self.models:
@@ -354,21 +354,39 @@ class MegatronWorker:
                                 seq_length=seq_length, micro_batch_size=micro[0].tokens.shape[0])
 
     # -- colocation ------------------------------------------------------------------------
-    def offload(self):
-        """Free what the config asks (param_offload / grad_offload / optimizer_offload) while
-        the rollout engine has the device; `reload()` brings it back."""
-        m, params = self.megatron_cfg, model_params(self.chunks)
-        tensors = []
-        if m.param_offload:
-            tensors += params
-        if m.grad_offload:
-            tensors += model_grads(self.chunks)
-        if m.optimizer_offload and self.optimizer is not None:
-            tensors += optimizer_tensors(self.optimizer)
-        return self._offloader.offload(tensors, keep=[] if m.param_offload else params)
+    def state_tensors(self, state):
+        """The tensors of one state: 'params', 'grads' (Megatron's buffers) or 'optimizer'."""
+        if state == "params":
+            return model_params(self.chunks)
+        if state == "grads":
+            return model_grads(self.chunks)
+        return optimizer_tensors(self.optimizer) if self.optimizer is not None else []
 
-    def reload(self):
-        return self._offloader.reload()
+    def set_resident(self, states):
+        """Keep exactly `states` on the device (engine/config/phases.py decides which): the
+        others' storage is copied to the host and freed, and comes back when asked for. Storage
+        the optimizer shares with the parameters (fp32 main params) moves with the parameters."""
+        params = model_params(self.chunks)
+        for state, offloader in self._offloaders.items():
+            if state in states and offloader.offloaded:
+                offloader.reload()
+            elif state not in states and not offloader.offloaded:
+                offloader.offload(self.state_tensors(state), keep=[] if state == "params" else params)
+
+    def resident_bytes(self):
+        """{state: bytes on the device now}, each storage counted once; storage the optimizer
+        shares with the parameters counts as parameters."""
+        out, taken = {}, set()
+        for state in ("params", "grads", "optimizer"):
+            seen = {}
+            for t in self.state_tensors(state):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in taken:
+                    seen[key or id(t)] = storage.nbytes()
+            out[state] = sum(seen.values())
+            taken |= {k for k in seen if k}
+        return out
 
     def _set_replay(self, model, mb):
         """Point this chunk's routers at the rollout's choices for this micro-batch (sliced to
@@ -406,11 +424,10 @@ class MegatronWorker:
         or by `ppo_micro_batch_size_per_gpu` from this model's config section."""
         for c in self.chunks:
             c.train()
-        if micro_batch_size is None and max_tokens is None:
-            if self.cfg.use_dynamic_bsz:
-                max_tokens = self.cfg.ppo_max_token_len_per_gpu
-            else:
-                micro_batch_size = self.cfg.ppo_micro_batch_size_per_gpu
+        if micro_batch_size is None and max_tokens is None:  # the derived plan's rule
+            from engine.config.derive import update_split
+            split = update_split(self.cfg)
+            micro_batch_size, max_tokens = split.micro_batch_size, split.max_tokens
         return micro_batch_size, max_tokens
 
     def zero_grad(self):

@@ -18,11 +18,13 @@ class RewardModelWorker(MegatronWorker):
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_scores(self, batch: Batch) -> torch.Tensor:
+    def compute_scores(self, batch: Batch, *, micro_batch_size=None, max_tokens=None) -> torch.Tensor:
         """[B] scores: the head's output at the last valid token of prompt + response."""
         for c in self.chunks:
             c.eval()
-        micro = self.micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
+        if micro_batch_size is None and max_tokens is None:
+            micro_batch_size = self.cfg.micro_batch_size_per_gpu
+        micro = self.micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
 
         def head(output, mb):
             scores = output.reshape(-1)[mb.last_tokens].float()
