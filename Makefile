@@ -25,7 +25,7 @@ test: $(STAMP)
 FAST_TESTS := tests/test_advantages.py tests/test_batch.py tests/test_config.py tests/test_data.py \
 	tests/test_kl_controllers.py tests/test_metrics.py tests/test_loggers.py tests/test_rewards.py \
 	tests/test_rollout_cpu.py tests/test_sglang_contract.py tests/test_kernels_kl.py tests/test_losses.py \
-	tests/test_rollout_topology.py tests/test_gpu_check.py
+	tests/test_rollout_topology.py tests/test_gpu_check.py tests/test_offline_config.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS) \

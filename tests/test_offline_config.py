@@ -55,3 +55,11 @@ def test_offline_keys_are_refused_where_they_cannot_act(recipe, override, match)
         return
     with pytest.raises(ConfigError, match=match):
         load_config(recipe, [override])
+
+
+def test_dpo_loss_names_come_from_the_registry():
+    import typing
+
+    from engine.config import schema
+    from engine.offline.losses import DPO_LOSSES
+    assert set(typing.get_args(schema.DpoLossType)) == set(DPO_LOSSES) == {"sigmoid", "ipo"}
