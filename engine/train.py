@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node N -m engine.train RECIPE.yaml key=value ...`
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
-critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer.
+critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
+`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead.
 """
 import os
 import sys
@@ -229,8 +230,12 @@ def main(argv=None):
     set_seed(cfg.trainer.seed + dist.get_rank())
     components = None
     try:
-        derived, components = build(cfg, dist.get_world_size(), watch=watch)
-        Trainer(derived, components).fit()
+        if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+            from engine.offline.build import build_offline
+            build_offline(cfg, dist.get_world_size()).fit()
+        else:
+            derived, components = build(cfg, dist.get_world_size(), watch=watch)
+            Trainer(derived, components).fit()
     except Exception as e:
         if not is_collective_failure(e):
             raise

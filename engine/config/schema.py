@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from engine.metrics import LOGGERS
+from engine.offline.losses import DPO_LOSSES
 from engine.rollout.registry import backend_names
 from kernels.kl import KL_KINDS
 
@@ -41,6 +42,8 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
+Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
+DpoLossType = Literal[tuple(DPO_LOSSES)]
 
 # Estimators that compare responses within a group of n samples per prompt / need a critic.
 GROUP_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group)
@@ -90,6 +93,10 @@ class DataConfig:
     builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
+    # Preference pairs (trainer.task reward_model / dpo), verl's RM dataset names
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
 
 
 @dataclass
@@ -304,6 +311,16 @@ class KlGuardConfig:
 
 
 @dataclass
+class DpoConfig:
+    """trainer.task=dpo (TRL's names)."""
+    beta: float = 0.1
+    loss_type: DpoLossType = "sigmoid"
+    # true: the data's ref_chosen_logps / ref_rejected_logps columns (summed log-probs of the
+    # responses under the reference) replace the reference model, which is then not built
+    precomputed_ref_log_probs: bool = False
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "gae"
     gamma: float = 1.0
@@ -313,6 +330,7 @@ class AlgorithmConfig:
     kl_penalty: KlEstimator = "kl"
     kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
     kl_guard: KlGuardConfig = field(default_factory=KlGuardConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 @dataclass
@@ -342,6 +360,9 @@ class TrainerConfig:
     max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
     rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
     collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
+    # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
+    # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
+    task: Task = "ppo"
 
 
 @dataclass

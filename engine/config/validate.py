@@ -8,8 +8,8 @@ import typing
 from typing import Any, Optional
 
 from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
-                                  MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig, TridentConfig,
-                                  _join)
+                                  DpoConfig, MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig,
+                                  TridentConfig, _join)
 
 
 # --------------------------------------------------------------------------------------------
@@ -39,6 +39,7 @@ def _check(obj: Any, prefix: str, name: str, *, gt=None, ge=None, le=None,
 def validate(cfg: TridentConfig) -> None:
     """Raise ConfigError for the first impossible value or inconsistent combination."""
     _validate_data(cfg.data)
+    _validate_task(cfg)  # first: an offline task refuses PPO-only sections before they are checked
     arr = cfg.actor_rollout_ref
     if arr.actor.megatron.params_dtype is None:
         _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
@@ -283,6 +284,58 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     if t.resume_mode != "resume_path" and t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               f"only read when trainer.resume_mode='resume_path' (it is {t.resume_mode!r}); set one or the other")
+
+
+def _validate_task(cfg: TridentConfig) -> None:
+    """Offline tasks (engine/offline) train on preference pairs: the keys only they read, and the
+    PPO keys that would silently do nothing there, are refused where they cannot act."""
+    task, d, dpo = cfg.trainer.task, cfg.data, cfg.algorithm.dpo
+    _check(dpo, "algorithm.dpo", "beta", gt=0.0)
+    offline = task in ("reward_model", "dpo")
+    where = f"trainer.task={task!r}"
+    if not offline:
+        for key, value, default in (("chosen_key", d.chosen_key, "chosen"),
+                                    ("rejected_key", d.rejected_key, "rejected")):
+            if value != default:
+                _fail(f"data.{key}", value, f"preference pairs are read by trainer.task "
+                      f"'reward_model' or 'dpo' only ({where}); remove it")
+    if d.margin_key is not None and task != "reward_model":
+        _fail("data.margin_key", d.margin_key, f"margins enter the reward model's Bradley-Terry "
+              f"loss only ({where}); set trainer.task=reward_model or remove it")
+    for name in ("beta", "loss_type", "precomputed_ref_log_probs"):
+        if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name):
+            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
+                  f"({where}); remove it")
+    if not offline:
+        return
+    arr = cfg.actor_rollout_ref
+    refused = [  # (key, value, is it set to something that cannot act offline)
+        ("actor_rollout_ref.rollout.n", arr.rollout.n, arr.rollout.n != 1),
+        ("actor_rollout_ref.actor.ppo_epochs", arr.actor.ppo_epochs, arr.actor.ppo_epochs != 1),
+        ("actor_rollout_ref.actor.use_kl_loss", True, arr.actor.use_kl_loss),
+        ("actor_rollout_ref.actor.router_replay", True, arr.actor.router_replay),
+        ("actor_rollout_ref.actor.shuffle", True, arr.actor.shuffle),
+        ("algorithm.use_kl_in_reward", True, cfg.algorithm.use_kl_in_reward),
+        ("critic.enable", True, cfg.critic.enable is True),
+        ("reward_model.enable", True, cfg.reward_model.enable)]
+    for key, value, bad in refused:
+        if bad:
+            _fail(key, value, f"{where} trains on fixed preference pairs (no rollout, rewards, "
+                  "critic or KL loss; one pass per batch: use trainer.total_epochs); remove it")
+    if d.builtin_task not in (None, "arith"):
+        _fail("data.builtin_task", d.builtin_task, f"{where} builds preference pairs from the "
+              "'arith' task only; use 'arith' or data.train_files")
+    if dpo.precomputed_ref_log_probs and d.builtin_task:
+        _fail("algorithm.dpo.precomputed_ref_log_probs", True, "the built-in task's pairs carry no "
+              "ref_chosen_logps / ref_rejected_logps columns; set it to false (the reference "
+              "model computes them) or use data.train_files that have them")
+    actor = arr.actor
+    pair = 2 * (d.max_prompt_length + d.max_response_length)
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < pair:
+        _fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+              f"a micro-batch holds whole preference pairs (chosen + rejected, up to 2 x "
+              f"(max_prompt_length + max_response_length) = {pair} tokens); set it to at least "
+              f"{pair}")
 
 
 def _divisors(n: int) -> list[int]:

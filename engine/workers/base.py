@@ -290,8 +290,12 @@ class MegatronWorker:
         return [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
 
     def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,
-                      rows: Optional[List[int]] = None) -> List[MicroBatch]:
-        groups = self.micro_groups(batch, micro_batch_size, max_tokens, rows)
+                      rows: Optional[List[int]] = None,
+                      groups: Optional[List[List[int]]] = None) -> List[MicroBatch]:
+        """`groups`: the rows of each micro-batch, given (e.g. whole preference pairs), instead
+        of a split by count or tokens."""
+        if groups is None:
+            groups = self.micro_groups(batch, micro_batch_size, max_tokens, rows)
         packed = bool(self.model_cfg.use_remove_padding)
         multiple = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         cp = ps.get_context_parallel_world_size()
