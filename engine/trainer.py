@@ -23,6 +23,7 @@ from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.data import PromptLoader
+from engine.experience import Online
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
@@ -58,6 +59,7 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        self.experience = Online()  # where a step's batch comes from (engine/experience.py)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
         self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
         for worker in (self.actor, self.critic):
@@ -127,22 +129,14 @@ class Trainer:
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts; returns its metrics."""
         timings = defaultdict(float)
-        cfg, alg = self.cfg, self.cfg.algorithm
+        cfg = self.cfg
         with Timer("step", timings):
-            with self._phase("update_weights", timings):
-                sync = self.sync_weights()  # ends in the generate phase (engine/config/phases.py)
-            with self._phase("gen", timings):
-                batch = self.generate(prompts, self._sampling(train=True))
-            if alg.adv_estimator == "remax":
-                with self._phase("gen", timings):
-                    baseline = self.generate(prompts, self._sampling(train=True, greedy=True),
-                                             n=1)
-                batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
-                    cfg.actor_rollout_ref.rollout.n)
+            batch, collected = self.experience.collect(self, prompts, timings)
             self.hybrid.enter("reward")
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
             metrics = self._reward_extra_metrics(extra)
+            metrics.update(collected)
             if self.ref is not None and self.full_kl_in_reward:
                 self._reference_pass(batch, timings)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
@@ -180,7 +174,6 @@ class Trainer:
                 metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
-        metrics["perf/update_weights_gb"] = sync.bytes / 1e9
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
             self.comm.seconds.clear()
