@@ -191,10 +191,11 @@ class PromptLoader:
     `iter(loader)` yields the rest of the current epoch; `next_batch()` crosses epochs.
     """
 
-    def __init__(self, dataset, batch_size, shuffle=True, seed=0, drop_last=True, prefetch=0):
+    def __init__(self, dataset, batch_size, shuffle=True, seed=0, drop_last=True, prefetch=0, prepare=None):
         """prefetch (data.dataloader_num_workers): > 0 prepares the next batch in a background
         thread while the current step runs; the position (the state) moves only when a batch is
-        taken, so resuming is exact either way."""
+        taken, so resuming is exact either way. `prepare(batch)`, if given, runs on every batch
+        as it is made (in that thread when prefetching): e.g. laying out logged responses."""
         if batch_size <= 0:
             raise ValueError(f"data.train_batch_size={batch_size!r} must be positive")
         if drop_last and len(dataset) < batch_size:
@@ -207,6 +208,7 @@ class PromptLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.prepare = prepare
         self.epoch = 0
         self.batches_done = 0  # within the current epoch
         self._cached_order = (None, None)
@@ -233,13 +235,16 @@ class PromptLoader:
 
     def _make_batch(self, order, b, epoch=None):
         rows = [self.dataset[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
-        return PromptBatch(input_ids=[r["input_ids"] for r in rows],
-                           ground_truths=[r["ground_truth"] for r in rows],
-                           data_sources=[r["data_source"] for r in rows],
-                           raw_prompts=[r["raw_prompt"] for r in rows],
-                           extra_infos=[r["extra_info"] for r in rows],
-                           indices=[r["index"] for r in rows],
-                           epoch=self.epoch if epoch is None else epoch)
+        batch = PromptBatch(input_ids=[r["input_ids"] for r in rows],
+                            ground_truths=[r["ground_truth"] for r in rows],
+                            data_sources=[r["data_source"] for r in rows],
+                            raw_prompts=[r["raw_prompt"] for r in rows],
+                            extra_infos=[r["extra_info"] for r in rows],
+                            indices=[r["index"] for r in rows],
+                            epoch=self.epoch if epoch is None else epoch)
+        if self.prepare is not None:
+            self.prepare(batch)
+        return batch
 
     def _roll_epoch(self):
         if self.batches_done >= len(self):

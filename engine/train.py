@@ -77,6 +77,14 @@ def load_datasets(cfg, tokenizer):
         train_rows, val_rows, _ = make_builtin_task(data.builtin_task, seed=data.seed,
                                                     difficulty=data.builtin_task_difficulty)
         return PromptDataset(train_rows, **kw), PromptDataset(val_rows, **kw)
+    if data.offline_path is not None:  # logged responses: the prompts and what answered them
+        from engine.experience_offline import LoggedDataset
+        train = LoggedDataset(data.offline_path, n=cfg.actor_rollout_ref.rollout.n,
+                              response_length=cfg.actor_rollout_ref.rollout.response_length
+                              or data.max_response_length,
+                              need_log_probs=cfg.algorithm.rollout_correction.rollout_is is not None, **kw)
+        val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
+        return train, val
     train = PromptDataset(list(data.train_files), **kw)
     val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
     return train, val
@@ -149,13 +157,18 @@ def build(cfg, world_size, watch=None) -> Components:
     reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
                               reward_manager=cfg.reward_model.reward_manager,
                               overlong=cfg.reward_model.overlong_buffer,
-                              max_response_length=arr.rollout.response_length)
+                              max_response_length=arr.rollout.response_length,
+                              token_level=cfg.reward_model.token_level)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights
-        from engine.workers.reward_model import RewardModelWorker
+        from engine.workers.reward_model import ImplicitRewardWorker, RewardModelWorker
         rm_config = load_hf_config(cfg.reward_model.model)
-        reward_model = RewardModelWorker(rm_config, cfg.reward_model, pad_token_id=pad)
+        if cfg.reward_model.token_level == "implicit":  # a DPO policy: per-token log-ratio to the reference
+            reward_model = ImplicitRewardWorker(rm_config, cfg.reward_model, beta=cfg.algorithm.dpo.beta,
+                                                pad_token_id=pad)
+        else:
+            reward_model = RewardModelWorker(rm_config, cfg.reward_model, pad_token_id=pad)
         load_hf_weights(reward_model.chunks, cfg.reward_model.model.path, hf_config=rm_config)
     checkpoints = None
     if cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable":

@@ -23,7 +23,7 @@ from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.data import PromptLoader
-from engine.experience import Online
+from engine.experience import build_experience
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
@@ -48,8 +48,12 @@ class Trainer:
         self.peak_flops = c.peak_flops
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        # where a step's batch comes from (engine/experience.py); it may prepare it as the loader
+        # makes the prompt batch (in the prefetch thread with data.dataloader_num_workers > 0)
+        self.experience = build_experience(cfg)
         self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
+                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers,
+                                   prepare=lambda prompts: self.experience.prepare(self, prompts))
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
@@ -59,7 +63,6 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
-        self.experience = Online()  # where a step's batch comes from (engine/experience.py)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
         self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
         for worker in (self.actor, self.critic):
@@ -82,12 +85,13 @@ class Trainer:
         # decided from the config, the same on every rank (the skipped forward has collectives)
         self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
                                    and plan.mini_batches_per_epoch == 1
-                                   and not alg.use_kl_in_reward)
+                                   and not alg.use_kl_in_reward and not self.experience.needs_old_log_probs)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
         # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
         # the reward, it runs before the old-log-prob pass, which computes the KL from them
         self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
+        self.kl_uses_ref = arr.actor.use_kl_loss or alg.use_kl_in_reward  # (implicit rewards use it too)
         self.keep_ref_hidden = self.full_kl_in_reward or (
             arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
 
@@ -132,9 +136,11 @@ class Trainer:
         cfg = self.cfg
         with Timer("step", timings):
             batch, collected = self.experience.collect(self, prompts, timings)
-            self.hybrid.enter("reward")
-            with self._phase("reward", timings):
-                batch["token_level_scores"], extra = self.compute_scores(batch)
+            extra = {}
+            if "token_level_scores" not in batch:  # else logged, or scored by the source
+                self.hybrid.enter("reward")
+                with self._phase("reward", timings):
+                    batch["token_level_scores"], extra = self.compute_scores(batch)
             metrics = self._reward_extra_metrics(extra)
             metrics.update(collected)
             if self.ref is not None and self.full_kl_in_reward:
@@ -148,7 +154,7 @@ class Trainer:
                     batch["old_log_probs"] = out["log_prob"]
                     if self.full_kl_in_reward:
                         batch["old_full_kl"] = out["full_kl"]
-            if self.ref is not None and not self.full_kl_in_reward:
+            if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
                 self._reference_pass(batch, timings)
             if self.critic is not None:
                 self.hybrid.enter("values")
@@ -157,6 +163,7 @@ class Trainer:
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
+                metrics.update(self.experience.after_advantages(self, batch))  # IS, PF-PPO weights
             # NaN / Inf rewards (a broken verifier, a reward model gone bad) train nothing
             finite = self.guard.finite(batch["token_level_rewards"])
             metrics["train/applied_update"] = 0.0
@@ -251,13 +258,14 @@ class Trainer:
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
-        model_scores = (self.reward_model.compute_scores(batch, **self.derived.forward["reward_model"].kwargs())
-                        if self.reward_model else None)
+        # [B] scores, or [B, R] token rewards (reward_model.token_level=implicit)
+        model_scores = self.reward_model.scores_for(self, batch) if self.reward_model else None
         extra_infos = list(batch["extra_info"])
         if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
             extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
+        rule = self.cfg.reward_model.rule_reward  # false: the model's reward alone
         return self.reward_fn(batch["responses"], batch["response_mask"],
-                              ground_truths=list(batch["ground_truth"]),
+                              ground_truths=list(batch["ground_truth"]) if rule else None,
                               data_sources=list(batch["data_source"]),
                               extra_infos=extra_infos, model_scores=model_scores)
 
@@ -361,6 +369,7 @@ class Trainer:
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
                 "guard": self.guard.state_dict(),
+                "experience": self.experience.state_dict(),  # collective: a replay buffer's contents
                 "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}}
@@ -382,6 +391,7 @@ class Trainer:
             self.kl_guard.load_state_dict(state["kl_guard"])
         self.kl_loss_coef = float(state.get("kl_loss_coef", self.kl_loss_coef))
         self.guard.load_state_dict(state.get("guard", {}))
+        self.experience.load_state_dict(state.get("experience") or {})
         for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
             self.workers()[name].split = tuple(split)
         rng = state.get("rng")

@@ -174,17 +174,20 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
         _fail("data.train_batch_size", data.train_batch_size,
               f"x rollout.n {rollout.n} = {rollout_batch} sequences do not split over {layout.dp} data-parallel "
               f"ranks; make train_batch_size x rollout.n a multiple of {layout.dp}")
+    # a KL term, or DPO's implicit token reward (its log-ratio to the reference), needs the reference
+    use_reference = (actor.use_kl_loss or out.algorithm.use_kl_in_reward
+                     or out.reward_model.token_level == "implicit")
     return Derived(
         config=out, layout=layout, rollout_batch_size=rollout_batch,
         rollout_batch_size_per_rank=rollout_batch // layout.dp,
         use_critic=critic.enable,
-        use_reference=actor.use_kl_loss or out.algorithm.use_kl_in_reward,
+        use_reference=use_reference,
         actor=_batch_plan(actor, "actor_rollout_ref.actor", out, layout.dp),
         critic=_batch_plan(critic, "critic", out, layout.dp) if critic.enable else None,
         forward={"actor": forward_split(rollout), "critic": forward_split(rollout), "ref": forward_split(arr.ref),
                  "reward_model": Split(micro_batch_size=out.reward_model.micro_batch_size_per_gpu)},
         rollout_topology=rollout_topology_of(out, world_size),
-        phases=phase_schedule(out, critic.enable, actor.use_kl_loss or out.algorithm.use_kl_in_reward))
+        phases=phase_schedule(out, critic.enable, use_reference))
 
 
 def _batch_plan(section: Any, p: str, cfg: TridentConfig, dp: int) -> BatchPlan:

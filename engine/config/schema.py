@@ -44,6 +44,9 @@ Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
+TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
+RolloutIs = Literal["token", "sequence"]  # algorithm.rollout_correction.rollout_is (null: off)
+ReplayFilter = Literal["best", "best_worst", "reweight"]  # PF-PPO policy filtration (engine/replay.py)
 
 # Estimators that compare responses within a group of n samples per prompt / need a critic.
 GROUP_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group)
@@ -97,6 +100,10 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
+    # Offline PPO / GRPO from logged responses (engine/experience_offline.py): parquet with the
+    # prompt (prompt_key), `response` (text or token ids), `reward` or `score`, and optionally
+    # `rollout_log_probs` (the behaviour policy's, one per response token); no generation
+    offline_path: Optional[str] = None
 
 
 @dataclass
@@ -281,6 +288,11 @@ class RewardModelConfig:
     # code rewards' sandbox limits: the fields of engine.rewards.sandbox.SandboxConfig (timeout_s,
     # cpu_s, memory_mb, max_file_mb, max_procs, network, max_concurrency, ...), checked there
     sandbox: dict = field(default_factory=dict)
+    # The model's reward per token (engine/rewards/manager.py): null = its score on the last
+    # token; margin = the score spread evenly over the response tokens; implicit = DPO's
+    # beta * (log pi_dpo - log pi_ref) per token, model.path a DPO policy's HF export
+    token_level: Optional[TokenLevel] = None
+    rule_reward: bool = True  # false: the model's reward alone trains (validation still uses the rule)
 
 
 @dataclass
@@ -321,6 +333,37 @@ class DpoConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's truncated importance sampling against the policy that produced the responses
+    (`rollout_log_probs`: the rollout engine's, logged ones, or a replayed batch's):
+    w = min(pi_old / pi_behaviour, rollout_is_threshold) per token or per sequence, multiplying
+    the policy-gradient term (engine/algorithms/correction.py)."""
+    rollout_is: Optional[RolloutIs] = None  # null: off
+    rollout_is_threshold: float = 2.0
+
+
+@dataclass
+class ReplayConfig:
+    """Replay buffer and PF-PPO policy filtration (engine/replay.py)."""
+    enable: bool = False
+    capacity: int = 4      # steps whose groups the buffer keeps (per DP rank, on CPU)
+    ratio: float = 0.0     # replayed prompt groups per fresh group in a training batch
+    filter: Optional[ReplayFilter] = None  # PF-PPO: best | best_worst responses of each group, or reweight
+    keep: float = 0.5      # best / best_worst: the fraction of each prompt's rollout.n responses kept
+    weight_pow: float = 2.0  # reweight: the policy gradient of a response x |score|^weight_pow (mean 1)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (verl's keys; engine/dynamic_sampling.py): prompt groups whose
+    `metric` is equal over all their responses are dropped and generation goes on until the
+    batch is full."""
+    enable: bool = False
+    metric: str = "seq_reward"  # seq_reward | seq_final_reward | a reward extra (e.g. acc)
+    max_num_gen_batches: int = 10  # generation batches per step at most (0: no bound)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "gae"
     gamma: float = 1.0
@@ -330,7 +373,10 @@ class AlgorithmConfig:
     kl_penalty: KlEstimator = "kl"
     kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
     kl_guard: KlGuardConfig = field(default_factory=KlGuardConfig)
-    dpo: DpoConfig = field(default_factory=DpoConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)  # beta also sets reward_model.token_level=implicit's
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

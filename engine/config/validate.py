@@ -58,6 +58,8 @@ def validate(cfg: TridentConfig) -> None:
     _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
+    from engine.config.validate_experience import validate_experience  # it builds on this module
+    validate_experience(cfg)
 
 
 def _validate_data(data: DataConfig) -> None:
@@ -68,9 +70,10 @@ def _validate_data(data: DataConfig) -> None:
     _check(data, p, "dataloader_num_workers", ge=0)
     if not data.prompt_key:
         _fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
-    if not data.train_files and data.builtin_task is None:
+    if not data.train_files and data.builtin_task is None and data.offline_path is None:
         _fail("data.train_files", data.train_files,
-              "no training data: set data.train_files to parquet file(s) or data.builtin_task (e.g. 'arith')")
+              "no training data: set data.train_files to parquet file(s), data.builtin_task (e.g. 'arith') "
+              "or data.offline_path (logged responses)")
     if data.train_files and data.builtin_task is not None:
         _fail("data.builtin_task", data.builtin_task,
               f"data.train_files={data.train_files!r} is also set; use one source: set builtin_task=null "
@@ -302,10 +305,13 @@ def _validate_task(cfg: TridentConfig) -> None:
     if d.margin_key is not None and task != "reward_model":
         _fail("data.margin_key", d.margin_key, f"margins enter the reward model's Bradley-Terry "
               f"loss only ({where}); set trainer.task=reward_model or remove it")
+    implicit = cfg.reward_model.token_level == "implicit"  # DPO's implicit reward uses its beta
     for name in ("beta", "loss_type", "precomputed_ref_log_probs"):
-        if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name):
-            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
-                  f"({where}); remove it")
+        if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name) \
+                and not (implicit and name == "beta"):
+            also = " (beta: and reward_model.token_level=implicit)" if name == "beta" else ""
+            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo'{also} "
+                  f"only ({where}); remove it")
     if not offline:
         return
     arr = cfg.actor_rollout_ref

@@ -5,6 +5,12 @@ advantage estimators expect); every other token gets 0. Scores come from a rule 
 (`compute_score(data_source, solution_str, ground_truth, extra_info)`), from a reward model's
 per-sequence scores passed in as `model_scores`, or from both added together.
 
+A model's reward may instead be per token (reward_model.token_level): `margin` spreads its
+sequence score evenly over the response's valid tokens (engine/rewards/preference.py
+margin_token_rewards: the tokens sum to the score); `model_scores` of shape [B, L] are token
+rewards already (`implicit`, DPO's) and are added as they are. Either way a row's token rewards
+sum to its whole score.
+
 With `num_workers > 0` the rule rewards run in a pool of Ray actors, so slow verifiers (sympy)
 do not stall the training process; results come back in the original order.
 """
@@ -13,6 +19,7 @@ import os
 import torch
 
 from engine.rewards import sandbox
+from engine.rewards.preference import margin_token_rewards
 from engine.rewards.registry import compute_scores, default_compute_score
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +61,7 @@ class RewardManager:
     DAPO's length penalty, given the configured `max_response_length`."""
 
     def __init__(self, tokenizer, compute_score=None, num_workers=0, skip_special_tokens=False,
-                 reward_manager="naive", overlong=None, max_response_length=None):
+                 reward_manager="naive", overlong=None, max_response_length=None, token_level=None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.compute_score = compute_score or default_compute_score
@@ -63,6 +70,9 @@ class RewardManager:
         if reward_manager == "batch" and compute_score is None:
             raise ValueError("reward_model.reward_manager='batch' needs custom_reward_function.path")
         self.batched = reward_manager == "batch"
+        if token_level not in (None, "margin", "implicit"):
+            raise ValueError(f"reward_model.token_level={token_level!r}: use null, 'margin' or 'implicit'")
+        self.token_level = token_level
         self.overlong = overlong if overlong is not None and overlong.enable else None
         if self.overlong is not None and not max_response_length:
             raise ValueError("reward_model.overlong_buffer needs max_response_length")
@@ -129,7 +139,8 @@ class RewardManager:
         """(token_level_scores [B, L] float32, reward_extra_info {name: list of B}).
 
         responses / response_mask: [B, L] right-padded response ids and their validity mask.
-        model_scores: optional [B] reward-model scores, added to the rule scores.
+        model_scores: optional [B] reward-model scores, added to the rule scores (spread over the
+        tokens with token_level='margin'), or [B, L] token rewards added token by token.
         """
         if responses.shape != response_mask.shape:
             raise ValueError(f"responses {tuple(responses.shape)} and response_mask "
@@ -145,12 +156,24 @@ class RewardManager:
             extra = _extra_fields(results)
             extra["rule_score"] = rule.tolist()
             scores += rule
+        model_tokens = None  # [B, L] the model's reward per token, when it is not on the last one
         if model_scores is not None:
-            model_scores = model_scores.detach().double().cpu().reshape(-1)
+            model_scores = model_scores.detach().double().cpu()
+            mask = response_mask.cpu().double()
+            if model_scores.dim() == 2:
+                if model_scores.shape != response_mask.shape:
+                    raise ValueError(f"token-level model_scores {tuple(model_scores.shape)} must match the "
+                                     f"responses {tuple(response_mask.shape)}")
+                model_tokens = model_scores * mask
+                model_scores = model_tokens.sum(-1)
+            model_scores = model_scores.reshape(-1)
             if model_scores.shape[0] != batch:
                 raise ValueError(f"model_scores has {model_scores.shape[0]} entries for {batch} responses")
+            if model_tokens is None and self.token_level == "margin":
+                model_tokens = margin_token_rewards(mask, mask, margin=model_scores[:, None])[0]
             extra["model_score"] = model_scores.tolist()
-            scores += model_scores
+            if model_tokens is None:
+                scores += model_scores
         if ground_truths is None and model_scores is None:
             raise ValueError("RewardManager needs ground_truths (rule rewards) or model_scores (reward model)")
         if self.overlong is not None:
@@ -159,10 +182,12 @@ class RewardManager:
             extra["overlong_reward"] = penalty.tolist()
             extra["overlong"] = (penalty < 0).tolist()
             scores += penalty
-        extra["score"] = scores.tolist()
-        token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
-        token_level[torch.arange(batch), last_token_index(response_mask.cpu())] = scores.float()
-        return token_level.to(responses.device), extra
+        token_level = torch.zeros(response_mask.shape, dtype=torch.float64)
+        token_level[torch.arange(batch), last_token_index(response_mask.cpu())] = scores
+        if model_tokens is not None:
+            token_level += model_tokens
+        extra["score"] = token_level.sum(-1).tolist()
+        return token_level.float().to(responses.device), extra
 
     def close(self):
         if self._workers is not None:

@@ -1,11 +1,19 @@
-"""A reward model on Megatron: the scalar head's value at each sequence's last token.
+"""Reward models on Megatron.
 
-Same model as the critic (a language model trunk with a scalar head); a HuggingFace
-`*ForSequenceClassification` checkpoint maps its `score.weight` onto the head.
+`RewardModelWorker`: the scalar head's value at each sequence's last token. Same model as the
+critic (a language model trunk with a scalar head); a HuggingFace `*ForSequenceClassification`
+checkpoint maps its `score.weight` onto the head.
+
+`ImplicitRewardWorker` (reward_model.token_level=implicit): a frozen DPO-trained policy (its HF
+causal-LM export) whose per-token reward is DPO's implicit one, beta * (log pi_dpo(y_t) -
+log pi_ref(y_t)) (engine/rewards/preference.py), against the PPO reference: the initial policy
+DPO started from. Both log-probs at temperature 1, as DPO trains them.
 """
 import torch
 
 from engine.batch import Batch
+from engine.rewards.preference import implicit_token_rewards
+from engine.workers.actor import ReferenceWorker
 from engine.workers.base import MegatronWorker
 from engine.workers.template import forward_rows
 
@@ -19,6 +27,10 @@ class RewardModelWorker(MegatronWorker):
         for p in (p for c in self.chunks for p in c.parameters()):
             p.requires_grad_(False)
 
+    def scores_for(self, trainer, batch):
+        """The trainer's call (in its reward phase): [B] scores."""
+        return self.compute_scores(batch, **trainer.derived.forward["reward_model"].kwargs())
+
     @torch.no_grad()
     def compute_scores(self, batch: Batch, *, micro_batch_size=None, max_tokens=None) -> torch.Tensor:
         """[B] scores: the head's output at the last valid token of prompt + response."""
@@ -28,3 +40,21 @@ class RewardModelWorker(MegatronWorker):
         def head(output, mb):
             return dict(rows=mb.rows, scores=output.reshape(-1)[mb.last_tokens].float().cpu())
         return forward_rows(self, batch, head, ["scores"], {"scores": None}, micro_batch_size, max_tokens)["scores"]
+
+
+class ImplicitRewardWorker(ReferenceWorker):
+    name = "reward_model"
+
+    def __init__(self, hf_config, rm_cfg, *, beta, pad_token_id=0):
+        super().__init__(hf_config, rm_cfg.megatron, rm_cfg.model, pad_token_id=pad_token_id)
+        self.cfg, self.beta = rm_cfg, beta
+
+    def scores_for(self, trainer, batch):
+        """[B, R] token rewards. The reference runs in its own phase (its parameters may be
+        offloaded in the reward phase), then this model in the reward phase."""
+        forward = trainer.derived.forward
+        trainer.hybrid.enter("ref")
+        ref = trainer.ref.compute_log_prob(batch, temperature=1.0, **forward["ref"].kwargs())
+        trainer.hybrid.enter("reward")
+        own = self.compute_log_prob(batch, temperature=1.0, **forward["reward_model"].kwargs())
+        return implicit_token_rewards(own, ref, batch["response_mask"], beta=self.beta)

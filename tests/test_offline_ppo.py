@@ -1,0 +1,154 @@
+"""Offline PPO / GRPO from logged responses (data.offline_path) through the real trainer on 2
+gloo ranks, against the on-policy path: the step's responses are logged with the current
+policy's own log-probs as the behaviour policy's, and the offline step then makes the same
+update bit for bit; with another behaviour policy the truncated IS weights are capped at
+rollout_is_threshold and enter the policy loss (its value checked against the formula)."""
+import math
+import os
+
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
+# one mini-batch of 8 prompts x 4, and the old log-probs from their own pass in both paths (the
+# update's shortcut would take them from its forward: the same values, another rounding)
+STEP = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.on_policy_old_log_prob=false",
+        "trainer.logger=[]", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
+
+
+def _trainer(overrides, tmp):
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from engine.train import build
+    from engine.trainer import Trainer, set_seed
+    cfg = load_config(DEMO, [f"trainer.default_local_dir={tmp}/ckpt", f"trainer.log_dir={tmp}/logs/{dist.get_rank()}",
+                             *STEP, *overrides])
+    set_seed(cfg.trainer.seed)
+    derived, components = build(cfg, 2)
+    return Trainer(derived, components)
+
+
+class Recording:
+    """The real source, keeping each step's batch (the trainer adds its fields in place)."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def collect(self, trainer, prompts, timings):
+        batch, metrics = self.inner.collect(trainer, prompts, timings)
+        self.batches.append((prompts, batch))
+        return batch, metrics
+
+
+def _weights(trainer):
+    from parallel.shards import iter_global
+    return {k: v.clone() for k, v in iter_global(trainer.actor.chunks, "param")}
+
+
+def _online_then_log(tmp):
+    """One on-policy step; its responses, rewards and old log-probs (the policy that generated
+    them) written as logged rows, in the step's prompt order (rank 0's prompts first)."""
+    import torch.distributed as dist
+
+    from engine.data import write_prompt_parquet
+    from engine.tasks import save_tokenizer
+    t = _trainer([], tmp)
+    t.experience = Recording(t.experience)
+    start = _weights(t)
+    metrics = t.train_step(t.loader.next_batch())
+    prompts, batch = t.experience.batches[0]
+    rows, mine = [], t._my_prompts(prompts)
+    for k in range(len(batch)):
+        m = batch["response_mask"][k].bool()
+        rows.append({"prompt": prompts.raw_prompts[mine[k // 4]],
+                     "response": batch["responses"][k][m].tolist(),
+                     "score": float(batch["token_level_scores"][k].sum()),
+                     "rollout_log_probs": batch["old_log_probs"][k][m].tolist()})
+    every = [None, None]
+    dist.all_gather_object(every, rows)
+    if dist.get_rank() == 0:
+        write_prompt_parquet(every[0] + every[1], f"{tmp}/logged.parquet")
+        save_tokenizer(f"{tmp}/tok")
+    dist.barrier()
+    return dict(start=start, weights=_weights(t), metrics=metrics, advantages=batch["advantages"],
+                old=batch["old_log_probs"], mask=batch["response_mask"])
+
+
+def _offline(tmp, path, *extra):
+    t = _trainer([f"data.offline_path={path}", "data.builtin_task=null", "data.shuffle=false",
+                  f"actor_rollout_ref.model.tokenizer_path={tmp}/tok", *extra], tmp)
+    prompts = t.loader.next_batch()
+    metrics = t.train_step(prompts)
+    return dict(weights=_weights(t), metrics=metrics)
+
+
+def _shifted(tmp):
+    """The log with another behaviour policy: mu = pi_old - 1.5 on even response positions
+    (ratio e^1.5, above the cap 2), - 0.25 on odd ones (e^0.25)."""
+    import torch.distributed as dist
+    import pyarrow.parquet as pq
+
+    from engine.data import write_prompt_parquet
+    if dist.get_rank() == 0:
+        rows = pq.read_table(f"{tmp}/logged.parquet").to_pylist()
+        for row in rows:
+            row["rollout_log_probs"] = [lp - (1.5 if j % 2 == 0 else 0.25)
+                                        for j, lp in enumerate(row["rollout_log_probs"])]
+        write_prompt_parquet(rows, f"{tmp}/shifted.parquet")
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("offline_ppo")
+    return tmp, run_on_ranks(_online_then_log, 2, str(tmp))
+
+
+def test_offline_step_with_the_current_policy_as_behaviour_equals_the_on_policy_step(logged):
+    tmp, online = logged
+    offline = run_on_ranks(_offline, 2, str(tmp), f"{tmp}/logged.parquet",
+                           "algorithm.rollout_correction.rollout_is=token")
+    for on, off in zip(online, offline):
+        assert on["weights"].keys() == off["weights"].keys()
+        assert all(torch.equal(on["weights"][k], off["weights"][k]) for k in on["weights"])
+        m = off["metrics"]
+        assert m["rollout_corr/rollout_is_mean"] == 1.0 and m["rollout_corr/ratio_mean"] == 1.0
+        assert m["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+        assert "timing_s/gen" not in m and "timing_s/reward" not in m  # nothing generated or scored
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+            assert m[key] == on["metrics"][key], key
+    # the update moved the weights at all (else equality above says nothing)
+    start = online[0]["start"]
+    assert any(not torch.equal(start[k], online[0]["weights"][k]) for k in start)
+
+
+def test_another_behaviour_policy_is_truncated_at_the_threshold(logged):
+    tmp, online = logged
+    run_on_ranks(_shifted, 2, str(tmp))
+    offline = run_on_ranks(_offline, 2, str(tmp), f"{tmp}/shifted.parquet",
+                           "algorithm.rollout_correction.rollout_is=token",
+                           "algorithm.rollout_correction.rollout_is_threshold=2.0")
+    # the reference: every valid token's ratio and weight from the formula, both ranks' rows
+    mask = torch.cat([r["mask"] for r in online]).bool()
+    adv = torch.cat([r["advantages"] for r in online])
+    even = torch.zeros_like(mask)
+    even[:, 0::2] = True
+    ratio = torch.where(even, torch.tensor(math.exp(1.5)), torch.tensor(math.exp(0.25)))
+    weight = ratio.clamp(max=2.0)
+    n = mask.sum()
+    m = offline[0]["metrics"]
+    assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(float((even & mask).sum() / n))
+    assert m["rollout_corr/ratio_mean"] == pytest.approx(float(ratio[mask].sum() / n), rel=1e-5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx(float(weight[mask].sum() / n), rel=1e-5)
+    # one mini-batch at ratio pi / pi_old = 1: the policy loss is the weighted advantages' mean
+    assert online[0]["metrics"]["actor/pg_loss"] == pytest.approx(float(-adv[mask].sum() / n), abs=1e-6)
+    assert m["actor/pg_loss"] == pytest.approx(float(-(adv * weight)[mask].sum() / n), abs=1e-6)
+    assert m["actor/pg_loss"] != pytest.approx(online[0]["metrics"]["actor/pg_loss"], abs=1e-4)
