@@ -82,10 +82,11 @@ class DynamicSampling(Online):
             if sum(counts) >= q * dp:
                 break
             if 0 < fg.max_num_gen_batches <= tries:
-                raise ValueError(f"algorithm.filter_groups: {tries} generation batches gave {sum(counts)} prompt "
-                                 f"groups whose {fg.metric} differs, fewer than data.train_batch_size="
-                                 f"{q * dp}; raise algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} "
-                                 "(0: no bound), or use easier prompts")
+                raise ValueError(
+                    f"algorithm.filter_groups: {tries} generation batches gave {sum(counts)} prompt groups "
+                    f"whose {fg.metric} differs, fewer than data.train_batch_size={q * dp}; raise "
+                    f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} (0: no bound), "
+                    "or use easier prompts")
         moves = reshard_plan(counts, q)
         batch = Batch.concat(self._reshard(kept, moves, q, trainer.dp_rank))
         totals = torch.tensor([filtered, len(kept)], dtype=torch.float64)

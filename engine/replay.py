@@ -123,7 +123,8 @@ class Replay(Source):
         self.buffer.add(trainer.step_count, kept)
         batch = Batch.concat([kept] + replayed)
         old = Batch.concat(replayed) if replayed else None
-        local = [len(kept), len(batch) - len(kept), len(fresh) - len(kept), len(self.buffer) * self.group_size,
+        local = [len(kept), len(batch) - len(kept), len(fresh) - len(kept),
+                 len(self.buffer) * self.group_size,
                  float(scores.sum()), float(kept["token_level_scores"].sum()),
                  float(old["token_level_scores"].sum()) if old is not None else 0.0]
         total = dict(zip(COUNTS, _dp_sum(local)))
@@ -165,8 +166,8 @@ class Replay(Source):
             return
         dp = ps.get_data_parallel_world_size()
         if saved["dp"] != dp:
-            raise ValueError(f"the checkpoint's replay buffer was saved by {saved['dp']} data-parallel ranks, "
-                             f"this run has {dp}; resume at the same DP size, or set "
+            raise ValueError(f"the checkpoint's replay buffer was saved by {saved['dp']} data-parallel "
+                             f"ranks, this run has {dp}; resume at the same DP size, or set "
                              "algorithm.replay.enable=false to resume without it")
         self.buffer.load_state_dict(saved["buffers"][ps.get_data_parallel_rank()])
 

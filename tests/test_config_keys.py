@@ -20,7 +20,8 @@ DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 REFUSED = {"actor_rollout_ref.hybrid_engine": (False, "only the colocated hybrid engine"),
            "actor_rollout_ref.actor.strategy": ("fsdp", "is not allowed")}
 # Where a key's value is read: the engine, minus the schema, its loading and its range checks.
-NOT_READERS = ("engine/config/schema.py", "engine/config/load.py", "engine/config/validate.py")
+NOT_READERS = ("engine/config/schema.py", "engine/config/load.py", "engine/config/validate.py",
+               "engine/config/validate_experience.py")
 
 
 def _leaves(cls=TridentConfig, prefix=""):

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 # one mini-batch of 8 prompts x 4, and the old log-probs from their own pass in both paths (the
 # update's shortcut would take them from its forward: the same values, another rounding)
-STEP = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.on_policy_old_log_prob=false",
+STEP = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.on_policy_old_log_prob=false",
         "trainer.logger=[]", "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.resume_mode=disable"]
 
 
@@ -152,3 +153,26 @@ def test_another_behaviour_policy_is_truncated_at_the_threshold(logged):
     assert online[0]["metrics"]["actor/pg_loss"] == pytest.approx(float(-adv[mask].sum() / n), abs=1e-6)
     assert m["actor/pg_loss"] == pytest.approx(float(-(adv * weight)[mask].sum() / n), abs=1e-6)
     assert m["actor/pg_loss"] != pytest.approx(online[0]["metrics"]["actor/pg_loss"], abs=1e-4)
+
+
+def _offline_steps(tmp, path, *extra):
+    t = _trainer([f"data.offline_path={path}", "data.builtin_task=null", "data.shuffle=true",
+                  f"actor_rollout_ref.model.tokenizer_path={tmp}/tok", *extra], tmp)
+    t.experience = Recording(t.experience)
+    metrics = [t.train_step(t.loader.next_batch()) for _ in range(3)]
+    return dict(weights=_weights(t), metrics=metrics,
+                threads=[p.meta["prepared_in"] for p, _ in t.experience.batches])
+
+
+def test_logged_batches_are_laid_out_in_the_prefetch_thread(logged):
+    """data.dataloader_num_workers=1: the next step's logged Batch is built while the current
+    step trains, and training is the same as without prefetching."""
+    tmp, _ = logged
+    plain = run_on_ranks(_offline_steps, 2, str(tmp), f"{tmp}/logged.parquet")
+    ahead = run_on_ranks(_offline_steps, 2, str(tmp), f"{tmp}/logged.parquet", "data.dataloader_num_workers=1")
+    for a, b in zip(plain, ahead):
+        assert a["threads"] == ["MainThread"] * 3
+        assert b["threads"][0] == "MainThread" and all(x.startswith("prefetch") for x in b["threads"][1:])
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+        assert [m["actor/pg_loss"] for m in a["metrics"]] == [m["actor/pg_loss"] for m in b["metrics"]]
+        assert [m["training/epoch"] for m in a["metrics"]] == [0, 1, 2]  # 8 logged prompts: one batch an epoch

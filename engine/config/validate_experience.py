@@ -38,7 +38,8 @@ def _offline_source(cfg: TridentConfig) -> None:
         return
     where = "data.offline_path is set: the logged responses and rewards are the experience"
     if d.train_files or d.builtin_task is not None:
-        key, value = ("data.train_files", d.train_files) if d.train_files else ("data.builtin_task", d.builtin_task)
+        key, value = (("data.train_files", d.train_files) if d.train_files
+                      else ("data.builtin_task", d.builtin_task))
         _fail(key, value, f"{where}, so use one source: remove {key} (held-out prompts go in data.val_files)")
     refused = [("algorithm.adv_estimator", alg.adv_estimator, alg.adv_estimator == "remax",
                 "ReMax generates a greedy baseline; use grpo, rloo, gae or reinforce_plus_plus"),
@@ -76,7 +77,8 @@ def _replay(cfg: TridentConfig) -> None:
     if not r.enable:
         for name in ("capacity", "ratio", "filter", "keep", "weight_pow"):
             if getattr(r, name) != getattr(default, name):
-                _fail(f"{p}.{name}", getattr(r, name), f"read only with {p}.enable=true; set it or remove this key")
+                _fail(f"{p}.{name}", getattr(r, name),
+                      f"read only with {p}.enable=true; set it or remove this key")
         return
     if r.ratio == 0 and r.filter is None:
         _fail(f"{p}.enable", True, f"with {p}.ratio=0 and no {p}.filter the buffer changes nothing; "
@@ -88,9 +90,11 @@ def _replay(cfg: TridentConfig) -> None:
             _fail(f"{p}.keep", r.keep, f"keeps round({r.keep} x rollout.n {n}) = {kept} responses per "
                   f"prompt; filter={r.filter!r} needs at least {least}: raise keep or rollout.n")
     elif r.keep != default.keep:
-        _fail(f"{p}.keep", r.keep, f"read by filter 'best' / 'best_worst' only (filter={r.filter!r}); remove it")
+        _fail(f"{p}.keep", r.keep,
+              f"read by filter 'best' / 'best_worst' only (filter={r.filter!r}); remove it")
     if r.filter != "reweight" and r.weight_pow != default.weight_pow:
-        _fail(f"{p}.weight_pow", r.weight_pow, f"read by filter 'reweight' only (filter={r.filter!r}); remove it")
+        _fail(f"{p}.weight_pow", r.weight_pow,
+              f"read by filter 'reweight' only (filter={r.filter!r}); remove it")
 
 
 def _filter_groups(cfg: TridentConfig) -> None:
@@ -100,7 +104,8 @@ def _filter_groups(cfg: TridentConfig) -> None:
         default = FilterGroupsConfig()
         for name in ("metric", "max_num_gen_batches"):
             if getattr(f, name) != getattr(default, name):
-                _fail(f"{p}.{name}", getattr(f, name), f"read only with {p}.enable=true; set it or remove this key")
+                _fail(f"{p}.{name}", getattr(f, name),
+                      f"read only with {p}.enable=true; set it or remove this key")
         return
     n = cfg.actor_rollout_ref.rollout.n
     if n < 2:
