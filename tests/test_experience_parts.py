@@ -204,5 +204,5 @@ def test_implicit_reward_reads_the_dpo_beta():
                              "reward_model.micro_batch_size_per_gpu=4", "reward_model.token_level=implicit",
                              "algorithm.dpo.beta=0.05"])
     assert cfg.algorithm.dpo.beta == 0.05
-    with pytest.raises(ConfigError, match="beta: and reward_model.token_level=implicit"):
+    with pytest.raises(ConfigError, match="only .trainer.task='ppo'. or reward_model.token_level=implicit"):
         load_config(DEMO, ["algorithm.dpo.beta=0.05"])

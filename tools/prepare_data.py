@@ -3,7 +3,7 @@
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k/train.parquet
     python tools/prepare_data.py --builtin arith --out-dir data/arith [--difficulty 0]
     python tools/prepare_data.py --reasoning-gym basic_arithmetic --out-dir data/rg_arith
-    python tools/prepare_data.py --pairs --builtin arith --out-dir data/arith_pairs
+    python tools/prepare_data.py --pairs --builtin arith --out-dir data/arith_pairs [--graded]
     python tools/prepare_data.py --pairs --input pairs.jsonl --output data/pairs.parquet
 
 GSM8K-style JSONL has one {"question": ..., "answer": "... #### 42"} per line. Each row becomes a
@@ -75,7 +75,7 @@ def write_pairs(args, parser):
         if args.builtin != "arith" or not args.out_dir:
             parser.error("--pairs --builtin supports arith, with --out-dir")
         for split, n in (("train", args.n_train), ("val", args.n_val)):
-            write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split),
+            write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split, graded=args.graded),
                                      os.path.join(args.out_dir, f"{split}.parquet"))
         tasks.save_tokenizer(os.path.join(args.out_dir, "tokenizer"))
         print(f"wrote {args.n_train} train / {args.n_val} val arith pairs to {args.out_dir}")
@@ -104,6 +104,9 @@ def main(argv=None):
                         help="JSON of the reasoning-gym generator's settings")
     parser.add_argument("--pairs", action="store_true",
                         help="write preference pairs (reward model / DPO data)")
+    parser.add_argument("--graded", action="store_true",
+                        help="--pairs --builtin arith: graded pairs (answer > answer + more > wrong > junk > "
+                             "nothing), for a reward model that PPO trains on alone")
     args = parser.parse_args(argv)
     if args.pairs:
         try:

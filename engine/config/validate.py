@@ -309,9 +309,9 @@ def _validate_task(cfg: TridentConfig) -> None:
     for name in ("beta", "loss_type", "precomputed_ref_log_probs"):
         if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name) \
                 and not (implicit and name == "beta"):
-            also = " (beta: and reward_model.token_level=implicit)" if name == "beta" else ""
-            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo'{also} "
-                  f"only ({where}); remove it")
+            also = " or reward_model.token_level=implicit" if name == "beta" else ""
+            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
+                  f"({where}){also}; remove it")
     if not offline:
         return
     arr = cfg.actor_rollout_ref

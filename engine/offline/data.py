@@ -105,8 +105,10 @@ def split_pair(row, index, prompt_key="prompt", chosen_key="chosen", rejected_ke
 
 
 def text_problem(prompt, chosen, rejected):
-    """'empty' / 'identical' / None: what makes a pair useless before tokenization."""
-    if _is_empty(prompt) or not (chosen or "").strip() or not (rejected or "").strip():
+    """'empty' / 'identical' / None: what makes a pair useless before tokenization. An empty
+    rejected response is kept: the chosen answer beating no answer at all is a preference (a
+    policy can stop at once, so a reward model should have seen it lose)."""
+    if _is_empty(prompt) or not (chosen or "").strip() or rejected is None:
         return "empty"
     if chosen == rejected:
         return "identical"
@@ -249,17 +251,48 @@ def pair_batch(examples, pad_token_id):
 _ANSWER_RANGE = {0: range(0, 9), 1: range(0, 19), 2: range(-99, 199)}
 
 
-def arith_pairs(n, seed=0, difficulty=0, split="train"):
+def arith_pairs(n, seed=0, difficulty=0, split="train", graded=False):
     """Pairs from the built-in `arith` task (engine/tasks.py): chosen = the correct answer,
     rejected = a wrong one drawn uniformly from the level's answer range, so the answer alone
-    does not give the preference away: the prompt has to be read."""
-    from engine.tasks import make_rows
-    rng = random.Random(f"arith-pairs-{difficulty}-{split}-{seed}")
+    does not give the preference away: the prompt has to be read.
+
+    graded=True: pairs for a reward model that PPO trains a policy on from scratch (no rule
+    reward). Such a policy emits everything on its way and exploits whatever the reward model
+    never saw lose, so the pairs rank, in the spirit of engine/rewards/arith.py's grades:
+    the exact answer over a wrong one (drawn from the task's own answers: sums near the middle
+    are more common, and a uniform draw would teach that they are likely right), over the
+    answer with characters after it, over junk, over no answer; and the right answer followed
+    by anything over a wrong one followed by anything. Responses longer than
+    data.max_response_length are cut without eos under data.truncation='right': what a
+    generation that ran out of tokens looks like."""
+    from engine.tasks import CHARACTERS, make_rows
+    rng = random.Random(f"arith-pairs-{difficulty}-{split}-{seed}" + ("-graded" if graded else ""))
+    rows = make_rows("arith", n, seed, difficulty, split=split)
+    answers = [r["reward_model"]["ground_truth"] for r in rows]
+
+    def junk(low, high):
+        return "".join(rng.choice(CHARACTERS) for _ in range(rng.randint(low, high)))
+
+    def wrong(answer):
+        if not graded:
+            return str(rng.choice([v for v in _ANSWER_RANGE[difficulty] if str(v) != answer]))
+        while True:
+            other = rng.choice(answers)
+            if other != answer:
+                return other
+
     out = []
-    for row in make_rows("arith", n, seed, difficulty, split=split):
-        answer = row["reward_model"]["ground_truth"]
-        wrong = rng.choice([v for v in _ANSWER_RANGE[difficulty] if str(v) != answer])
-        out.append(dict(prompt=row["prompt"], chosen=answer, rejected=str(wrong),
+    for row, answer in zip(rows, answers):
+        chosen, kind = answer, "wrong"
+        if graded:
+            kind = rng.choices(("wrong", "extra", "junk", "blank", "prefix"), (0.35, 0.15, 0.1, 0.1, 0.3))[0]
+        rejected = {"wrong": lambda: wrong(answer), "extra": lambda: answer + junk(1, 3),
+                    "junk": lambda: junk(1, 4), "blank": lambda: ""}.get(kind, lambda: None)()
+        if kind == "prefix":
+            chosen, rejected = answer + junk(0, 3), wrong(answer) + junk(0, 3)
+        if rejected == chosen:  # junk that happens to be the answer
+            rejected = wrong(answer)
+        out.append(dict(prompt=row["prompt"], chosen=chosen, rejected=rejected,
                         data_source="arith", extra_info=row["extra_info"]))
     return out
 
