@@ -206,3 +206,29 @@ def test_implicit_reward_reads_the_dpo_beta():
     assert cfg.algorithm.dpo.beta == 0.05
     with pytest.raises(ConfigError, match="only .trainer.task='ppo'. or reward_model.token_level=implicit"):
         load_config(DEMO, ["algorithm.dpo.beta=0.05"])
+
+
+def test_graded_arith_pairs_rank_the_answer_first():
+    from engine.offline.data import _ANSWER_RANGE, PreferenceDataset, arith_pairs
+    from engine.tasks import build_tokenizer, make_rows
+    truth = [r["reward_model"]["ground_truth"] for r in make_rows("arith", 2000, 1, 0, split="train")]
+    pairs = arith_pairs(2000, 1, 0, "train", graded=True)
+    blank = 0
+    for p, answer in zip(pairs, truth):
+        assert p["chosen"].startswith(answer) and p["rejected"] != p["chosen"]
+        if p["chosen"] != answer:  # the right answer first beats a wrong one first
+            assert not p["rejected"].startswith(answer)
+        blank += p["rejected"] == ""
+    assert 0.07 < blank / len(pairs) < 0.13
+    wrong = [p["rejected"] for p, a in zip(pairs, truth) if p["chosen"] == a and len(p["rejected"]) == 1
+             and p["rejected"].isdigit()]
+    four = sum(w == "4" for w in wrong) / len(wrong)  # drawn like the answers: 4 is the likeliest sum
+    assert four > 1.4 / 8  # (uniform over the 8 wrong values: 1 / 8)
+    # the plain pairs are what they were: a wrong number drawn uniformly from the level's range
+    import random
+    rng = random.Random("arith-pairs-0-train-1")
+    old = [str(rng.choice([v for v in _ANSWER_RANGE[0] if str(v) != a])) for a in truth[:50]]
+    assert [p["rejected"] for p in arith_pairs(50, 1, 0, "train")] == old
+    tok = build_tokenizer()
+    data = PreferenceDataset([dict(prompt="1+1=", chosen="2", rejected="")], tok, 16, 4)
+    assert data[0]["rejected_ids"] == [tok.eos_token_id]  # no answer at all: kept as a loser
