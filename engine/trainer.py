@@ -23,14 +23,14 @@ from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.data import PromptLoader
-from engine.experience import Online
+from engine.experience import Online, Pool
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp)
 from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.rollout.batches import sampling_params, training_batch
-from engine.validation import validate
+from engine.validation import validate, validate_from
 from parallel.cpu import suspended as cpu_function_mode_suspended
 
 
@@ -60,6 +60,9 @@ class Trainer:
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
         self.experience = Online()  # where a step's batch comes from (engine/experience.py)
+        self.replica_group = None
+        if c.bridge is not None:  # a separate rollout pool
+            self.experience = self._pool(c.bridge, derived)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
         self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
         for worker in (self.actor, self.critic):
@@ -82,7 +85,7 @@ class Trainer:
         # decided from the config, the same on every rank (the skipped forward has collectives)
         self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
                                    and plan.mini_batches_per_epoch == 1
-                                   and not alg.use_kl_in_reward)
+                                   and not alg.use_kl_in_reward and cfg.trainer.off_policy_steps == 0)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
         # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
@@ -97,8 +100,9 @@ class Trainer:
         self.resume()
         if trainer.val_before_train and trainer.test_freq > 0 and self.step_count == 0:
             self.logger.log(self.validate(), self.step_count)
+        self.first_step = self.step_count
         while self.step_count < self.total_steps:
-            prompts = self.loader.next_batch()
+            prompts = self.experience.prompts(self)
             faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
@@ -124,6 +128,8 @@ class Trainer:
             if self.rank == 0 and not source:  # a built-in task's tokenizer
                 self.tokenizer.save_pretrained(out)
         self.logger.close()
+        if isinstance(self.experience, Pool):
+            self.experience.client.stop()
         return self.step_count
 
     def train_step(self, prompts):
@@ -345,9 +351,30 @@ class Trainer:
         return out
 
     # -- validation --------------------------------------------------------------------------
+    def _pool(self, bridge, derived):
+        """The training end of a separate rollout pool (engine/rollout/pool.py)."""
+        from engine.rollout.pool import PoolClient, pool_ranks
+        from engine.rollout.topology import replicas_of
+        every = [None] * self.world
+        dist.all_gather_object(every, self.dp_rank)
+        replicas = replicas_of(every)
+        for ranks in replicas:
+            group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self.replica_group = group
+        t = self.cfg.trainer
+        train, pool = pool_ranks(self.world + t.rollout_pool_ranks, t.rollout_pool_ranks)
+        leaders = [pool.start + g.leader for g in derived.rollout_topology.groups]
+        return Pool(PoolClient(bridge, train, pool, replicas, leaders), t.off_policy_steps)
+
     def validate(self):
         if self.val_data is None or len(self.val_data) == 0:
             return {}
+        if isinstance(self.experience, Pool):
+            self.experience.sync(self)
+            return validate_from(self.experience.client.validate(
+                [self.val_data[i]["input_ids"] for i in range(len(self.val_data))], self._sampling(train=False)),
+                self.val_data, self.tokenizer, self.reward_fn, self.eos_ids)
         self.sync_weights()
         self.hybrid.enter("validate")
         return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
@@ -356,7 +383,7 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
-        return {"step": self.step_count, "loader": self.loader.state_dict(),
+        return {"step": self.step_count, "loader": self.experience.loader_state(self),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
