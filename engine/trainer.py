@@ -297,9 +297,17 @@ class Trainer:
             values=batch["values"] if "values" in batch else None,
             response_mask=batch["response_mask"], group_index=list(batch["uid"]),
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None)
+            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+            batch_sum=self._dp_sum)
         batch["advantages"], batch["returns"] = adv, ret
         return batch
+
+    @staticmethod
+    def _dp_sum(t):
+        """Sum over the DP ranks (whitening statistics of the global batch, not this shard's:
+        the advantages must not depend on the DP size). TP / CP ranks hold the same data."""
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return t
 
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):
@@ -308,7 +316,10 @@ class Trainer:
             batch["returns"], batch["response_mask"], prompt_mask=batch["prompt_mask"],
             values=batch["values"] if "values" in batch else None,
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
-        return reduce_over_dp(local, self.dp)
+        # token means: weighted by each shard's valid tokens, so the global batch's token mean
+        tokens = float(batch["response_mask"].sum())
+        token_means = ("critic/advantages/mean", "critic/returns/mean", "critic/values/mean")
+        return reduce_over_dp(local, self.dp, weights={k: tokens for k in token_means})
 
     def _perf_metrics(self, batch, timings):
         step_time = timings["timing_s/step"]
