@@ -22,6 +22,7 @@ from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
+from engine.checkpoint_state import reseed_rng
 from engine.data import PromptLoader
 from engine.experience import Online
 from engine.guards import StepGuard
@@ -367,14 +368,14 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
+        # no RNG here: this dict is rank 0's; the checkpoint manager saves and restores every
+        # rank's own RNG states (python / numpy / torch / CUDA / Megatron's tracker)
         return {"step": self.step_count, "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
                 "guard": self.guard.state_dict(),
-                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None}}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
@@ -384,7 +385,7 @@ class Trainer:
                       "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
                       flush=True)
             self.loader.seek(self.step_count)
-            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
             return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
@@ -395,11 +396,7 @@ class Trainer:
         self.guard.load_state_dict(state.get("guard", {}))
         for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
             self.workers()[name].split = tuple(split)
-        rng = state.get("rng")
-        if rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        # an older checkpoint's "rng" entry is rank 0's state: never copied onto every rank
 
     def workers(self):
         out = {"actor": self.actor}
@@ -421,7 +418,8 @@ class Trainer:
         path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
         if path is not None:
             self.hybrid.enter("checkpoint")
-            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.load_state_dict(self.checkpoints.load(path, self.workers(),
+                                                       rng_seed=self.cfg.trainer.seed))
             self.logger.truncate_after(self.step_count)
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))
@@ -438,7 +436,7 @@ class Trainer:
         if path is None:
             self.logger.start_fresh()
             return
-        state = self.checkpoints.load(path, self.workers())
+        state = self.checkpoints.load(path, self.workers(), rng_seed=self.cfg.trainer.seed)
         self.load_state_dict(state)
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
