@@ -160,20 +160,21 @@ def test_exact_kl_loss_and_reward_train(tmp_path):
 
 def test_kl_guard_state_resumes_exactly(tmp_path):
     """The KL guard fires at every step (a ceiling below any KL): its coefficient grows x1.2 per
-    step and drives the KL loss. Killed after the step-2 checkpoint and resumed, the run gives
-    the uninterrupted run's kl_guard/kl_coef and actor/kl_coef at every step."""
+    step and drives the KL loss. Killed after the step-2 checkpoint (two steps before the end:
+    slack for a loaded machine) and resumed, the run gives the uninterrupted run's
+    kl_guard/kl_coef and actor/kl_coef at every step."""
     common = ["trainer.save_freq=2", "trainer.test_freq=-1", "algorithm.kl_guard.enable=true",
               "algorithm.kl_guard.kl_ceiling=1e-12"]
-    _, straight = _run(tmp_path, "straight", common, steps=3)
-    coef = [0.001 * 1.2 ** k for k in range(4)]  # actor.kl_loss_coef 0.001, raised every step
-    assert [r["kl_guard/action"] for r in straight] == [1, 1, 1]
+    _, straight = _run(tmp_path, "straight", common, steps=4)
+    coef = [0.001 * 1.2 ** k for k in range(5)]  # actor.kl_loss_coef 0.001, raised every step
+    assert [r["kl_guard/action"] for r in straight] == [1, 1, 1, 1]
     assert [r["kl_guard/kl_coef"] for r in straight] == pytest.approx(coef[1:], rel=1e-12)
-    assert [r["actor/kl_coef"] for r in straight] == pytest.approx(coef[:3], rel=1e-12)
+    assert [r["actor/kl_coef"] for r in straight] == pytest.approx(coef[:4], rel=1e-12)
 
-    _kill_after_checkpoint(tmp_path, "killed", common, steps=3, step=2)
-    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=3)
+    _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
+    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
     assert "resumed from" in out and "at step 2" in out, out[-2000:]
-    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for key in ("kl_guard/kl_coef", "actor/kl_coef", "kl_guard/action"):
             assert b[key] == a[key], (a["step"], key)
