@@ -22,6 +22,7 @@ from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
+from engine.checkpoint_state import reseed_rng
 from engine.data import PromptLoader
 from engine.experience import Online, Pool
 from engine.guards import StepGuard
@@ -303,9 +304,17 @@ class Trainer:
             values=batch["values"] if "values" in batch else None,
             response_mask=batch["response_mask"], group_index=list(batch["uid"]),
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None)
+            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+            batch_sum=self._dp_sum)
         batch["advantages"], batch["returns"] = adv, ret
         return batch
+
+    @staticmethod
+    def _dp_sum(t):
+        """Sum over the DP ranks (whitening statistics of the global batch, not this shard's:
+        the advantages must not depend on the DP size). TP / CP ranks hold the same data."""
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return t
 
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):
@@ -314,7 +323,10 @@ class Trainer:
             batch["returns"], batch["response_mask"], prompt_mask=batch["prompt_mask"],
             values=batch["values"] if "values" in batch else None,
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
-        return reduce_over_dp(local, self.dp)
+        # token means: weighted by each shard's valid tokens, so the global batch's token mean
+        tokens = float(batch["response_mask"].sum())
+        token_means = ("critic/advantages/mean", "critic/returns/mean", "critic/values/mean")
+        return reduce_over_dp(local, self.dp, weights={k: tokens for k in token_means})
 
     def _perf_metrics(self, batch, timings):
         step_time = timings["timing_s/step"]
@@ -383,14 +395,14 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
+        # no RNG here: this dict is rank 0's; the checkpoint manager saves and restores every
+        # rank's own RNG states (python / numpy / torch / CUDA / Megatron's tracker)
         return {"step": self.step_count, "loader": self.experience.loader_state(self),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
                 "guard": self.guard.state_dict(),
-                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None}}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
@@ -400,7 +412,7 @@ class Trainer:
                       "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
                       flush=True)
             self.loader.seek(self.step_count)
-            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
             return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
@@ -411,11 +423,7 @@ class Trainer:
         self.guard.load_state_dict(state.get("guard", {}))
         for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
             self.workers()[name].split = tuple(split)
-        rng = state.get("rng")
-        if rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        # an older checkpoint's "rng" entry is rank 0's state: never copied onto every rank
 
     def workers(self):
         out = {"actor": self.actor}
@@ -437,7 +445,8 @@ class Trainer:
         path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
         if path is not None:
             self.hybrid.enter("checkpoint")
-            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.load_state_dict(self.checkpoints.load(path, self.workers(),
+                                                       rng_seed=self.cfg.trainer.seed))
             self.logger.truncate_after(self.step_count)
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))
@@ -454,7 +463,7 @@ class Trainer:
         if path is None:
             self.logger.start_fresh()
             return
-        state = self.checkpoints.load(path, self.workers())
+        state = self.checkpoints.load(path, self.workers(), rng_seed=self.cfg.trainer.seed)
         self.load_state_dict(state)
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
