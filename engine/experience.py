@@ -6,6 +6,7 @@ engines, generate the step's responses (and ReMax's greedy baselines), lay them 
 rank's training Batch. Other sources (logged data, a replay buffer, dynamic sampling, a separate
 rollout pool) implement the same `collect(trainer, prompts, timings) -> (batch, metrics)`.
 """
+from collections import deque
 
 
 class Online:
@@ -36,10 +37,11 @@ class Pool:
     actor (the trainer turns on_policy_old_log_prob off)."""
 
     def __init__(self, client, off_policy_steps):
-        from collections import deque
         self.client, self.k = client, off_policy_steps
         self.pending = deque()  # (prompts, loader state before they were drawn), oldest first
         self.sent = -1  # the step whose update the pool's weights are from (0: the initial ones)
+        self.outstanding = 0  # batches requested and not yet received
+        self.received = deque()  # batches received ahead of their step (around a validation)
 
     def prompts(self, trainer):
         """The next step's prompts; drawn ahead of training when off-policy."""
@@ -67,21 +69,27 @@ class Pool:
 
     def collect(self, trainer, prompts, timings):
         step, last = trainer.step_count + 1, trainer.total_steps
-        with trainer._phase("update_weights", timings):
-            sent = self.sync(trainer)
+        first = step == trainer.first_step + 1
+        sent = 0
         with trainer._phase("gen", timings):
-            if step == 1 or step == trainer.first_step + 1:  # the first step asks for k more ahead
+            if first or self.k == 0:
+                with trainer._phase("update_weights", timings):
+                    sent = self.sync(trainer)
                 self._request(trainer, self.pending[0][0], step)
-                for ahead in range(1, self.k + 1):
+                for ahead in range(1, self.k + 1) if first else ():
                     if step + ahead <= last:
                         self._draw(trainer)
                         self._request(trainer, self.pending[-1][0], step + ahead)
-            elif self.k == 0:  # on-policy: this step's prompts, with the weights just sent
-                self._request(trainer, self.pending[0][0], step)
-            elif step + self.k <= last:  # the step k ahead, generated while this one trains
-                self._draw(trainer)
-                self._request(trainer, self.pending[-1][0], step + self.k)
-            got, version = self.client.receive(trainer.dp_rank, trainer.replica_group)
+                got, version = self._take(trainer)
+            else:
+                # the pool made this step's batch while the last one trained; take it, then send
+                # the new weights and ask for the step k ahead, generated while this one trains
+                got, version = self._take(trainer)
+                with trainer._phase("update_weights", timings):
+                    sent = self.sync(trainer)
+                if step + self.k <= last:
+                    self._draw(trainer)
+                    self._request(trainer, self.pending[-1][0], step + self.k)
             self.pending.popleft()
         r = trainer.cfg.actor_rollout_ref.rollout
         from engine.rollout.batches import training_batch
@@ -89,8 +97,24 @@ class Pool:
                                r.response_length, raw_chat=trainer.cfg.data.return_raw_chat)
         return batch, {"perf/update_weights_gb": sent / 1e9, "rollout/staleness": float(step - 1 - version)}
 
+    def _take(self, trainer):
+        """The oldest requested batch (the pool answers in request order)."""
+        if self.received:
+            return self.received.popleft()
+        self.outstanding -= 1
+        return self.client.receive(trainer.dp_rank, trainer.replica_group)
+
+    def before_validation(self, trainer):
+        """Take what the pool is generating first: it waits to hand it over before it reads the
+        validation request."""
+        while self.outstanding:
+            self.outstanding -= 1
+            self.received.append(self.client.receive(trainer.dp_rank, trainer.replica_group))
+        self.sync(trainer)
+
     def _request(self, trainer, prompts, step):
         import dataclasses
         sampling = dataclasses.replace(trainer._sampling(train=True), seed=trainer.cfg.actor_rollout_ref.rollout.seed
                                        + 1000003 * (step - 1))  # the seed of its own step
         self.client.request(step, list(prompts.input_ids), list(prompts.indices), sampling, trainer.dp)
+        self.outstanding += 1

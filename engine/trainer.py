@@ -383,7 +383,7 @@ class Trainer:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
         if isinstance(self.experience, Pool):
-            self.experience.sync(self)
+            self.experience.before_validation(self)
             return validate_from(self.experience.client.validate(
                 [self.val_data[i]["input_ids"] for i in range(len(self.val_data))], self._sampling(train=False)),
                 self.val_data, self.tokenizer, self.reward_fn, self.eos_ids)

@@ -31,13 +31,16 @@ def pool_ranks(world, pool):
 
 
 class Bridge:
-    """Point-to-point messages between any two launched ranks (gloo, CPU tensors)."""
+    """Point-to-point messages between any two launched ranks (gloo, CPU tensors). Sends do not
+    wait for the receiver (two ranks may each be sending to the other: a trainer its next
+    request, a pool rank its last results); messages between two ranks arrive in order."""
 
     def __init__(self, rank, world, timeout_s):
         from parallel.mesh import launch_store
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("trident-bridge/", launch_store(timeout_s)), rank, world,
                                         timedelta(seconds=timeout_s))
         self.rank, self.bytes = rank, 0
+        self._pending = []  # (work, tensor): a send in flight keeps its buffer alive
 
     def send(self, obj, dst):
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
@@ -52,8 +55,16 @@ class Bridge:
         return pickle.loads(data.numpy().tobytes())
 
     def send_tensor(self, tensor, dst):
-        self.pg.send([tensor.contiguous()], dst, 0).wait()
+        tensor = tensor.contiguous()
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending.append((self.pg.send([tensor], dst, 0), tensor))
         self.bytes += tensor.numel() * tensor.element_size()
+
+    def flush(self):
+        """Wait until every message sent has been received."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
 
     def recv_tensor(self, tensor, src):
         self.pg.recv([tensor], src, 0).wait()
@@ -151,6 +162,7 @@ class PoolClient:
         if self.rank == 0:
             for p in self.pool:
                 self.bridge.send(("stop", None), p)
+        self.bridge.flush()
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +180,7 @@ def serve(bridge, group, T, generate):
     while True:
         kind, msg = bridge.recv(0)
         if kind == "stop":
+            bridge.flush()
             return
         if kind == "weights":
             version = msg
