@@ -141,7 +141,17 @@ def _model_keys(worker):
 
 
 def _model_sharded_state_dict(worker) -> dict:
-    return {key: m.sharded_state_dict() for key, m in zip(_model_keys(worker), worker.models)}
+    """A LoRA worker's model part is its adapters only: the base comes from model.path (or the
+    seeded initialisation of an inline-config model) and is frozen."""
+    from engine.models.lora import adapter_only
+    lora = getattr(worker, "lora", None) is not None
+    return {key: adapter_only(m.sharded_state_dict()) if lora else m.sharded_state_dict()
+            for key, m in zip(_model_keys(worker), worker.models)}
+
+
+def _lora_of(worker):
+    spec = getattr(worker, "lora", None)
+    return None if spec is None else spec.as_dict()
 
 
 def _torch_optimizers(worker):
@@ -417,7 +427,8 @@ class CheckpointManager:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=worker.scheduler is not None,
-                               chunks=len(worker.models), adam_step=_adam_step(worker))
+                               chunks=len(worker.models), adam_step=_adam_step(worker),
+                               lora=_lora_of(worker))
         save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
                   f"the RNG state of rank {self.rank}")
         layout = _layout()
@@ -504,8 +515,13 @@ class CheckpointManager:
             if name not in meta["workers"]:
                 raise CheckpointError(f"checkpoint {path!r} has no worker {name!r} (it has "
                                       f"{sorted(meta['workers'])})")
-            _check_model_matches(name, worker, directory)
             info = meta["workers"][name]
+            if info.get("lora") != _lora_of(worker):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: worker {name!r} was saved with LoRA {info.get('lora')}, "
+                    f"this run has {_lora_of(worker)}; set actor_rollout_ref.model.lora_rank / "
+                    "lora_alpha / target_modules as in that run, or start without resuming")
+            _check_model_matches(name, worker, directory)
             state = _model_sharded_state_dict(worker)
             with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
             if with_optim:
@@ -514,7 +530,11 @@ class CheckpointManager:
                     dict(state), is_loading=True, metadata=_optim_metadata(meta["optim_sharding"]))
             loaded = dist_checkpointing.load(state, directory)
             for key, model in zip(_model_keys(worker), worker.models):
-                model.load_state_dict(loaded[key], strict=True)
+                if _lora_of(worker) is None:
+                    model.load_state_dict(loaded[key], strict=True)
+                else:
+                    from engine.models.lora import load_adapter_state
+                    load_adapter_state(model, loaded[key])
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.models import lora
 from engine.models.weights import megatron_to_hf
 from engine.rollout.base import RolloutEngine
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
@@ -78,19 +79,32 @@ def as_group(rollout):
     return _Solo(rollout) if isinstance(rollout, RolloutEngine) else rollout
 
 
+def sync_plan(chunks):
+    """What `sync_weights` reuses between syncs (collective): a ReshardPlan, or for a LoRA model
+    a lora.MergePlan (the base weights are sent merged: W + (alpha / r) B A)."""
+    return lora.MergePlan.build(chunks) if lora.spec_of(chunks) else ReshardPlan.build(chunks)
+
+
 def sync_weights(chunks, rollout, hf_config, bucket_megabytes: float = 512,
-                 plan: Optional[ReshardPlan] = None) -> SyncStats:
+                 plan=None) -> SyncStats:
     """Send every weight of the training `chunks` to `rollout` (collective over all ranks): a
     `GroupedRollout`, or a `RolloutEngine` that every rank holds.
 
-    `plan` (a `ReshardPlan.build(chunks)` kept from an earlier call) skips the metadata exchange.
+    `plan` (a `sync_plan(chunks)` kept from an earlier call) skips the metadata exchange. A LoRA
+    model's adapters are merged into the full base tensors bucket by bucket (lora.merged_buckets);
+    the merged copy of a weight every rank holds whole (TP = PP = 1) is the only extra memory.
     """
     rollout = as_group(rollout)
     start = time.perf_counter()
     counter = MemoryCounter()
     sent = buckets = 0
+    plan = plan or sync_plan(chunks)
+    size = _bucket_bytes(bucket_megabytes)
+    stream = (lora.merged_buckets(chunks, size, plan, hf_config, counter=counter)
+              if isinstance(plan, lora.MergePlan)
+              else iter_buckets(chunks, size, plan=plan, counter=counter))
     rollout.begin_sync()
-    for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan, counter=counter):
+    for bucket in stream:
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         rollout.load_bucket(_to_hf(hf_config, bucket))
         buckets += 1
@@ -114,12 +128,12 @@ class HybridEngine:
         _bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
         self.chunks, self.rollout, self.hf_config = chunks, as_group(rollout), hf_config
         self.bucket_megabytes = bucket_megabytes
-        self._plan: Optional[ReshardPlan] = None
+        self._plan = None  # ReshardPlan, or lora.MergePlan for a LoRA actor
 
     def to_rollout(self) -> SyncStats:
         """Collective: take the rollout's memory back and send it the training weights."""
         if self._plan is None:
-            self._plan = ReshardPlan.build(self.chunks)
+            self._plan = sync_plan(self.chunks)
         self.rollout.resume_memory()
         return sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
                             plan=self._plan)

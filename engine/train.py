@@ -125,7 +125,8 @@ def build(cfg, world_size) -> Components:
     if derived.use_critic:
         critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
-    if derived.use_reference:
+    # a LoRA actor's reference is its own base (adapters off): no second model is built
+    if derived.use_reference and actor.lora is None:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
     if arr.model.path:
         from engine.models.hf_io import load_hf_weights
@@ -136,6 +137,8 @@ def build(cfg, world_size) -> Components:
                 worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
+    if derived.use_reference and actor.lora is not None:
+        ref = actor.base_reference()
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
@@ -199,6 +202,7 @@ def _config_dir(hf_config, tokenizer):
 
 def main(argv=None):
     from engine.config import load_config
+    from engine.phase import set_phase
     from engine.trainer import Trainer, set_seed
     from parallel.mesh import init_distributed
 
@@ -214,11 +218,13 @@ def main(argv=None):
     set_seed(cfg.trainer.seed + dist.get_rank())
     derived, components = build(cfg, dist.get_world_size())
     trainer = Trainer(derived, components)
+    set_phase("training")
     try:
         trainer.fit()
     finally:
         components.rollout.shutdown()
         components.reward_fn.close()
+    set_phase("shutdown")
     dist.barrier()
     dist.destroy_process_group()
     return 0

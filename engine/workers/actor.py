@@ -67,11 +67,20 @@ class LogProbModel(MegatronWorker):
 class ActorWorker(LogProbModel):
     def __init__(self, hf_config, actor_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
+        from engine.models.lora import LoraSpec
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,
-                         pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay)
+                         pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay,
+                         lora=LoraSpec.from_config(model_cfg, seed=actor_cfg.megatron.seed))
         self.cfg = actor_cfg
         self.response_length = response_length
+
+    def base_reference(self):
+        """The reference policy of a LoRA actor: this model with its adapters off (no second
+        model in memory)."""
+        if self.lora is None:
+            raise ValueError("base_reference: the actor has no LoRA adapters; build a ReferenceWorker")
+        return AdaptersOffReference(self)
 
     def _mini_batches(self, batch, epoch):
         n = len(batch)
@@ -235,3 +244,22 @@ class ReferenceWorker(LogProbModel):
                          pad_token_id=pad_token_id)
         for p in (p for c in self.chunks for p in c.parameters()):
             p.requires_grad_(False)
+
+
+class AdaptersOffReference:
+    """What the trainer asks of a reference, answered by a LoRA actor with its adapters off:
+    the base weights are the frozen reference (verl's LoRA reference). Nothing to offload."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute_log_prob(self, batch, **kwargs):
+        from engine.models.lora import adapters_disabled
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_log_prob(batch, **kwargs)
+
+    def offload(self):
+        return None
+
+    def reload(self):
+        return None

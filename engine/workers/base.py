@@ -182,7 +182,7 @@ class MegatronWorker:
     supports_context_parallel = False
 
     def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
-                 total_steps=1, pad_token_id=0, router_replay=False):
+                 total_steps=1, pad_token_id=0, router_replay=False, lora=None):
         if ps.get_context_parallel_world_size() > 1 and not self.supports_context_parallel:
             raise ValueError(f"{type(self).__name__} does not support context parallelism yet; "
                              "set its megatron.context_parallel_size=1")
@@ -205,8 +205,13 @@ class MegatronWorker:
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
-                                  config_overrides=overrides, **recompute)
+                                  config_overrides=overrides, unfuse_norms=lora is not None,
+                                  **recompute)
         self.config = self.chunks[0].config
+        self.lora = lora  # engine.models.lora.LoraSpec: adapters only are trained and saved
+        if lora is not None:  # before DDP and the optimizer, which then see the adapters only
+            from engine.models.lora import add_adapters
+            add_adapters(self.chunks, lora, hf_config)
         self.optimizer = self.scheduler = None
         self._offloader = Offloader()
         if optim_cfg is not None:
