@@ -24,6 +24,7 @@ from engine.batch import Batch
 from engine.data import PromptLoader, left_pad
 from engine.hybrid import HybridEngine
 from engine.perf import CommTimer, step_flops
+from engine.phase import set_phase
 from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
 from engine.rollout.base import SamplingParams
 from parallel.cpu import suspended as cpu_function_mode_suspended
@@ -184,8 +185,10 @@ class Trainer:
         """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
         if self.comm is not None:
             self.comm.phase = name
+        set_phase(name)  # what a launcher reports if this rank dies here (engine.launch_ray)
         with Timer(name, timings):
             yield
+        set_phase("training")
         if self.comm is not None:
             self.comm.phase = "other"
 
