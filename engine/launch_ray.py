@@ -359,8 +359,8 @@ def main(argv=None) -> int:
                     args.cpus_per_rank, t.nnodes, args.pg_timeout)
     try:
         return launch.run()
-    except (RuntimeError, ValueError) as e:
-        launch.log(f"error: {e}", err=True)
+    except (RuntimeError, ValueError, ray.exceptions.RayError) as e:  # before any rank ran
+        launch.log(f"error: {_describe(e) if isinstance(e, ray.exceptions.RayError) else e}", err=True)
         return 1
     except KeyboardInterrupt:
         launch.log("interrupted: stopping the ranks", err=True)

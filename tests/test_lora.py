@@ -7,6 +7,7 @@ Weights come from their global names (`_weight_for`), so every layout holds the 
 B starts from its global name too (scaled), so the adapters are not trivially zero.
 """
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_target_modules_map_to_megatron_linears_and_bad_values_are_refused():
 def _start_and_reference():
     from engine.config import MegatronConfig, ModelConfig
     from engine.workers.actor import ReferenceWorker
-    from parallel.shards import load_global, local_shards
+    from parallel.shards import iter_global, load_global, local_shards
 
     batch = _batch(96)
     hf, fresh = _actor({}, ["all-linear"], b_scale=0.0)
@@ -93,6 +94,7 @@ def _start_and_reference():
     shapes = {s.global_name: s.global_shape for _, s in local_shards(ref.chunks)}
     load_global(ref.chunks, lambda n: _weight_for(n, shapes[n]))
     out["base"] = ref.compute_log_prob(batch, micro_batch_size=4)
+    out["A"] = {n: t.clone() for n, t in iter_global(fresh.chunks) if ".lora_A." in n}
     return out
 
 
@@ -101,6 +103,13 @@ def test_adapters_start_at_the_base_and_the_reference_is_the_base_model():
     assert torch.equal(out["fresh"], out["base"])  # B = 0: the first step's policy is the base
     assert torch.equal(out["adapters_off"], out["base"])
     assert (out["adapted"] - out["base"]).abs().max() > 1e-3
+    # A: PEFT's kaiming-uniform(a=sqrt(5)), U(-1/sqrt(in), 1/sqrt(in)), a different draw per layer
+    fan_in = {"linear_qkv": 32, "linear_proj": 32, "linear_fc1": 32, "linear_fc2": 64}
+    for name, a in out["A"].items():
+        bound = fan_in[name.split(".")[-3]] ** -0.5
+        assert a.shape[0] == RANK and a.abs().max() <= bound
+        assert abs(a.std().item() - bound / 3 ** 0.5) < 0.25 * bound, name
+    assert len({round(a.sum().item(), 6) for a in out["A"].values()}) == len(out["A"])
 
 
 def _train_once(adapters: bool):
@@ -237,21 +246,23 @@ def test_rollout_receives_the_merged_weights():
                            w[m + "self_attention.linear_proj.weight"])
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sequence_parallel=True)],
-                         ids=["tp2", "tp2_sp"])
-def test_tensor_parallel_lora_equals_one_process(layout):
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2)],
+                         ids=["tp2", "tp2_sp", "pp2"])
+def test_parallel_lora_equals_one_process(layout):
     ref = _reference()
     got = run_on_ranks(_lora_step, 2, layout, SOME)
-    for r in got:  # TP ranks hold the whole batch: same values on both
+    held = {}
+    for r in got:  # TP / PP ranks hold the whole batch: same values on both
         torch.testing.assert_close(r["log_prob"], ref["log_prob"], atol=1e-5, rtol=0)
         torch.testing.assert_close(r["ref"], ref["ref"], atol=1e-5, rtol=0)
         for k, v in ref["metrics"].items():
             assert r["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-        assert set(r["weights"]) == set(ref["weights"])
-        for n, t in ref["weights"].items():  # the update: adapters moved alike, base untouched
-            torch.testing.assert_close(r["weights"][n], t, atol=1e-5, rtol=0, msg=n)
-        for n, t in ref["merged"].items():
+        held.update(r["weights"])  # a pipeline stage holds its own layers
+        for n, t in ref["merged"].items():  # every rank receives the whole merged model
             torch.testing.assert_close(r["merged"][n], t, atol=1e-5, rtol=0, msg=n)
+    assert set(held) == set(ref["weights"])
+    for n, t in ref["weights"].items():  # the update: adapters moved alike, base untouched
+        torch.testing.assert_close(held[n], t, atol=1e-5, rtol=0, msg=n)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -275,16 +286,31 @@ def _save_resume(root):
     update(worker, 3)
     manager = CheckpointManager(root)
     path = manager.save(1, {"actor": worker}, {"step": 1})
+    saved = {n: t.clone() for n, t in iter_global(worker.chunks) if ".lora_" in n}
     straight = update(worker, 4), dict(iter_global(worker.chunks))
     _, fresh = _actor(layout, SOME, b_scale=0.0)  # base from its source, adapters restored
     manager.load(path, {"actor": fresh})
     resumed = update(fresh, 4), dict(iter_global(fresh.chunks))
     keys = sorted(dist_checkpointing.load_tensors_metadata(f"{path}/actor"))
-    return straight, resumed, keys
+    return straight, resumed, keys, path, saved
+
+
+def _load_at_tp1(path):
+    from engine.checkpoint import CheckpointManager
+    from parallel.shards import iter_global
+    _, fresh = _actor({}, SOME, b_scale=0.0)
+    CheckpointManager(os.path.dirname(path)).load(path, {"actor": fresh}, load_optimizer=False)
+    return {n: t.clone() for n, t in iter_global(fresh.chunks) if ".lora_" in n}
 
 
 def test_checkpoint_holds_adapters_and_optimizer_and_resumes_exactly(tmp_path):
-    (m1, w1), (m2, w2), keys = run_on_ranks(_save_resume, 2, str(tmp_path))[0]
+    (m1, w1), (m2, w2), keys, path, saved = run_on_ranks(_save_resume, 2, str(tmp_path))[0]
+    # the adapters' TP sharding (B split by rows, the gated fc1's per half, A by columns) is
+    # described globally: a TP 1 model reads the TP 2 checkpoint's adapters whole
+    at_tp1 = run_on_ranks(_load_at_tp1, 1, path)[0]
+    assert set(at_tp1) == set(saved)
+    for n in saved:
+        assert torch.equal(at_tp1[n], saved[n]), n
     assert keys and all(".lora_" in k or k.startswith("optimizer.") for k in keys), keys
     assert any(".lora_B." in k for k in keys) and not any(k.endswith("linear_qkv.weight") for k in keys)
     for k in m1:
