@@ -20,7 +20,8 @@ same code path (each actor calls `engine.train.main(argv)`), same results.
   killed at once and the driver reports the rank, its phase (engine.phase: the trainer's
   current phase) and the error, and exits 1.
 
-The code must be importable on every node at the same path (it is put on PYTHONPATH).
+The code must be importable on every node at the same path (it is put on PYTHONPATH). Ray 2.60
+clusters started with token authentication need the token here too (RAY_AUTH_TOKEN or its file).
 """
 import argparse
 import collections
@@ -50,7 +51,8 @@ class Placement:
     pid: int
 
 
-def assign_ranks(placements: Sequence[Placement], per_node: int, gpu: bool) -> List[Tuple[Placement, Dict[str, str]]]:
+def assign_ranks(placements: Sequence[Placement], per_node: int,
+                 gpu: bool) -> List[Tuple[Placement, Dict[str, str]]]:
     """(placement, rendezvous environment without MASTER_*) of rank 0, 1, ...: node by node in
     the order the nodes first appear among the bundles, by GPU id within a node."""
     order = {}
@@ -351,9 +353,11 @@ def main(argv=None) -> int:
     common = dict(log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     if address:
         ray.init(address=address, **common)
-    else:  # logical CPUs: CPU ranks take one each whatever the machine has
-        ray.init(num_cpus=max(os.cpu_count() or 1, world * args.cpus_per_rank),
-                 include_dashboard=False, **common)
+    else:  # logical CPUs: one per rank whatever the machine has, and the reward workers' (a
+        # rank's RewardManager starts reward_model.num_workers actors in this same cluster)
+        # address="local": a new instance, never a cluster some earlier `ray start` left recorded
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world * args.cpus_per_rank)
+                 + world * cfg.reward_model.num_workers, include_dashboard=False, **common)
     gpu = t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     launch = Launch([args.recipe, *args.overrides], world, t.n_gpus_per_node, gpu,
                     args.cpus_per_rank, t.nnodes, args.pg_timeout)

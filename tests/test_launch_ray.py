@@ -19,7 +19,8 @@ VARYING = ("timing_s/", "perf/")  # wall-clock and memory figures differ run to 
 @pytest.fixture(scope="module")
 def ray_ok():
     pytest.importorskip("ray")
-    probe = ("import ray; ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False); "
+    probe = ("import ray; ray.init(address='local', num_cpus=1, include_dashboard=False, "
+             "log_to_driver=False); "
              "ray.shutdown()")
     try:
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -97,6 +98,18 @@ def test_killed_rank_ends_the_job_with_a_report(tmp_path, ray_ok):
     assert not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
     print(f"\njob ended {took:.1f} s after rank 1 was killed:\n"
           + "\n".join(ln for ln in out.splitlines() if ln.startswith("[launch_ray]")))
+
+
+def test_a_rank_that_raises_is_reported_with_its_phase_and_error(tmp_path, ray_ok):
+    missing = str(tmp_path / "no_such_tokenizer")  # valid config, found missing by the ranks
+    done = subprocess.run(_ray_cmd(tmp_path, "raises", 2,
+                                   [f"actor_rollout_ref.model.tokenizer_path={missing}"]),
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    report = [ln for ln in out.splitlines() if "[launch_ray] FAILED: rank " in ln]
+    assert report and "in phase 'startup'" in report[0] and "no_such_tokenizer" in report[0], out[-3000:]
+    assert "[rank 0] Traceback" in out  # the rank's own traceback, prefixed
 
 
 def test_ranks_are_numbered_node_by_node_with_each_nodes_gpus():
