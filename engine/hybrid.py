@@ -14,9 +14,11 @@ training runs (`HybridEngine.to_training`) and takes it again before the weights
 """
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from engine.models import lora
 from engine.models.weights import megatron_to_hf
+from engine.config.phases import ROLLOUT_MEMORY
 from engine.rollout.base import RolloutEngine
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
@@ -113,30 +115,86 @@ def sync_weights(chunks, rollout, hf_config, bucket_megabytes: float = 512,
 
 
 class HybridEngine:
-    """Training chunks and a rollout engine sharing one device, switching between phases.
+    """Executes the memory schedule (engine/config/phases.py) of training models colocated with
+    a rollout engine: `sync()` runs the colocated sync in its order and leaves the rollout ready
+    to generate; `enter(phase)` puts each model's states and the rollout's memory where the
+    schedule says for that phase.
 
-        engine = HybridEngine(chunks, rollout, hf_config, bucket_megabytes=512)
-        stats = engine.to_rollout()    # resume the rollout's memory, send the current weights
+        engine = HybridEngine(chunks, rollout, hf_config, 512, schedule, {"actor": actor, ...})
+        stats = engine.sync()          # grads/optimizer off, weights in, params off, KV cache on
         out = rollout.generate(...)
-        engine.to_training()           # the rollout gives its weights and KV cache back
+        engine.enter("actor_update")   # the rollout gives its memory back, the actor's state returns
 
-    The reshard plan is built on the first sync and kept: the layout does not change.
+    Without a schedule (tests) there are no training models to move and the rollout takes its
+    weights, then its KV cache, for a sync and gives both back on `to_training()`. The reshard
+    plan is built on the first sync and kept: the layout does not change. With `record` set,
+    every phase appends each model's resident bytes and the rollout's memory to `log`.
     """
 
-    def __init__(self, chunks, rollout, hf_config, bucket_megabytes: float = 512):
+    def __init__(self, chunks, rollout, hf_config, bucket_megabytes: float = 512, schedule=None,
+                 workers: Optional[dict] = None):
         _bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
         self.chunks, self.rollout, self.hf_config = chunks, as_group(rollout), hf_config
         self.bucket_megabytes = bucket_megabytes
+        self.schedule, self.workers = schedule, dict(workers or {})
+        if schedule is not None and set(self.workers) != set(schedule.models):
+            raise ValueError(f"workers {sorted(self.workers)} do not match the schedule's models "
+                             f"{sorted(schedule.models)}")
         self._plan = None  # ReshardPlan, or lora.MergePlan for a LoRA actor
+        self.rollout_memory = set(ROLLOUT_MEMORY)  # an engine starts with its memory taken
+        self.record, self.log = False, []
 
-    def to_rollout(self) -> SyncStats:
-        """Collective: take the rollout's memory back and send it the training weights."""
+    def _rollout_wanted(self, phase):
+        if self.schedule is not None:
+            return set(self.schedule.rollout(phase))
+        return {"weights"} if phase == "sync" else set(ROLLOUT_MEMORY) if phase == "generate" else set()
+
+    def _rollout_to(self, wanted):
+        gone = self.rollout_memory - wanted
+        if gone:
+            self.rollout.release_memory(sorted(gone))
+        for tag in ROLLOUT_MEMORY:  # weights before the KV cache
+            if tag in wanted and tag not in self.rollout_memory:
+                self.rollout.resume_memory([tag])
+        self.rollout_memory = set(wanted)
+
+    def _models_to(self, phase):
+        for name, worker in self.workers.items():
+            worker.set_resident(self.schedule.resident(phase, name))
+
+    def _note(self, phase):
+        if self.record:
+            self.log.append(dict(phase=phase, rollout=sorted(self.rollout_memory),
+                                 models={n: w.resident_bytes() for n, w in self.workers.items()}))
+
+    def enter(self, phase: str) -> None:
+        """Move memory to what `phase` needs (not 'sync': use `sync()`)."""
+        if phase == "sync":
+            raise ValueError("the sync phase runs in an order of its own: call sync()")
+        if self.workers:
+            self._models_to(phase)
+        self._rollout_to(self._rollout_wanted(phase))
+        self._note(phase)
+
+    def sync(self) -> SyncStats:
+        """Collective: the colocated sync (phases.SYNC_ORDER); ends ready to generate."""
         if self._plan is None:
             self._plan = sync_plan(self.chunks)
-        self.rollout.resume_memory()
-        return sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
-                            plan=self._plan)
+        if self.workers:
+            self._models_to("sync")  # training grads and optimizer state leave first
+        self._rollout_to(self._rollout_wanted("sync"))  # the rollout's weights memory
+        stats = sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
+                             plan=self._plan)
+        self._note("sync")
+        if self.workers:
+            self._models_to("generate")  # the actor's parameters leave (param_offload)
+        self._rollout_to(self._rollout_wanted("generate"))  # then the KV cache comes back
+        self._note("generate")
+        return stats
+
+    def to_rollout(self) -> SyncStats:
+        return self.sync()
 
     def to_training(self) -> None:
-        """Free the rollout's weights and cache while training runs."""
-        self.rollout.release_memory()
+        """Free the rollout's weights and cache (no schedule: nothing else moves)."""
+        self._rollout_to(set())

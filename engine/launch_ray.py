@@ -144,6 +144,14 @@ class _Capture:
         return out
 
 
+class _LeftJob(BaseException):
+    """engine.train's os._exit(code) inside an actor: the rank leaves, the driver is told why."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
 class RankActor:
     """One SPMD rank. `run` executes engine.train.main; `poll` (another concurrency group)
     hands the driver its new log lines and current phase while `run` is busy."""
@@ -169,16 +177,26 @@ class RankActor:
             os.chdir(cwd)  # relative recipe paths (logs/, checkpoints/) as under torchrun
         from engine.phase import current_phase
         self.capture.start()
+        real_exit, here = os._exit, (os.getpid(), threading.get_ident())
+
+        def leave(code):  # engine.train leaves a failed collective by os._exit: report instead
+            if (os.getpid(), threading.get_ident()) != here:  # a forked child, another thread
+                real_exit(code)
+            raise _LeftJob(code)
+        os._exit = leave
         try:
             from engine.train import main
             code = main(list(argv))
-            result = dict(rc=0 if code is None else int(code), error=None)
+            result = dict(rc=0 if code is None else int(code), error=None, left=False)
+        except _LeftJob as e:  # an effect: a peer died or stopped answering (its line is logged)
+            result = dict(rc=e.code or 1, error="left the job after a failed collective", left=True)
         except BaseException as e:  # the rank's failure, reported by the driver
             traceback.print_exc()
             code = e.code if isinstance(e, SystemExit) else None
             result = dict(rc=code if isinstance(code, int) and code else 1,
-                          error=f"{type(e).__name__}: {e}".strip())
+                          error=f"{type(e).__name__}: {e}".strip(), left=False)
         finally:
+            os._exit = real_exit
             self.capture.stop()
         result["phase"] = current_phase()
         return result
@@ -244,7 +262,9 @@ class Launch:
         runs = {a.run.remote(self.argv, env, os.getcwd()): r for r, (a, _, env) in enumerate(self.ranks)}
         phase = {r: "startup" for r in range(self.world)}
         polls = {r: self._poll(r) for r in range(self.world)}  # one outstanding poll per rank
-        failed = {}  # rank -> (died, phase, why): the first failure opens a short grace window
+        # rank -> (kind, phase, why); kind 0: the actor died, 1: main raised or returned an error,
+        # 2: the rank left after a failed collective. The first failure opens a grace window.
+        failed = {}
         until = None
         while runs and (until is None or time.monotonic() < until):
             ready, _ = ray.wait(list(runs) + list(polls.values()), num_returns=1, timeout=0.5)
@@ -254,7 +274,7 @@ class Launch:
                     try:
                         lines, phase[rank] = ray.get(ref)
                     except ray.exceptions.RayError as e:  # the actor is gone
-                        failed.setdefault(rank, (True, phase[rank], _describe(e)))
+                        failed.setdefault(rank, (0, phase[rank], _describe(e)))
                         del polls[rank]
                         continue
                     self._print(rank, lines)
@@ -264,19 +284,19 @@ class Launch:
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as e:  # the actor died: killed, OOM, node lost
-                    failed[rank] = (True, phase[rank], _describe(e))
+                    failed[rank] = (0, phase[rank], _describe(e))
                     continue
                 self._drain(rank, polls.pop(rank))
                 if result["rc"] != 0:
-                    failed.setdefault(rank, (False, result["phase"], result["error"]
-                                             or f"engine.train.main returned {result['rc']}"))
+                    failed.setdefault(rank, (2 if result["left"] else 1, result["phase"],
+                                             result["error"] or f"engine.train.main returned {result['rc']}"))
             if failed and until is None:
                 until = time.monotonic() + GRACE_S
         if not failed:
             self.log(f"all {self.world} ranks finished")
             return 0
-        # a rank that died is the cause; its peers' errors (a closed connection) are the effect
-        rank = min(failed, key=lambda r: (not failed[r][0], r))
+        # a rank that died, else one that raised, is the cause; peers that lost it are the effect
+        rank = min(failed, key=lambda r: (failed[r][0], r))
         _, where, why = failed[rank]
         running = sorted(runs.values())
         self.stop(wait_for=list(runs))

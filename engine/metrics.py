@@ -1,17 +1,34 @@
-"""Metrics: TensorBoard scalars, one JSON line per step, one console progress line per step.
+"""Metrics: TensorBoard scalars, one JSON line per step, one console progress line per step, and the
+experiment trackers users already watch (wandb, swanlab, mlflow) when their packages are installed.
 
 Metric names follow verl (critic/score/mean, actor/pg_loss, response_length/mean, timing_s/gen,
-perf/throughput ...). Only rank 0 writes; other ranks get a logger that does nothing.
+perf/throughput ...) and are the same in every sink. Only rank 0 writes; other ranks get a logger
+that does nothing.
+
+Trackers (trainer.logger: [console, wandb] ...), named by trainer.project_name / experiment_name:
+  wandb    online when an API key is found (WANDB_API_KEY, or ~/.netrc from `wandb login`);
+           offline when WANDB_MODE=offline or no key is found: the run is kept under the log dir
+           (or WANDB_DIR) and uploaded later with `wandb sync <dir>`. WANDB_MODE / WANDB_DIR win.
+  swanlab  the same rule: SWANLAB_MODE wins; no API key (SWANLAB_API_KEY or `swanlab login`)
+           means offline under <log dir>/swanlog (or SWANLAB_LOG_DIR), `swanlab sync` later.
+  mlflow   MLFLOW_TRACKING_URI when set; otherwise a local SQLite store <log dir>/mlflow.db
+           (view: mlflow ui --backend-store-uri sqlite:///<log dir>/mlflow.db). Metric names
+           keep their slashes; characters MLflow refuses become '_' ('@' becomes '_at_').
 """
+import importlib.util
 import json
 import math
+import netrc
 import os
+import pathlib
+import re
 import sys
 import time
+from typing import Callable, NamedTuple
+from urllib.parse import urlparse
 
-import torch
-
-LOGGERS = ("console", "tensorboard", "jsonl")
+BUILTIN_LOGGERS = ("console", "tensorboard", "jsonl")
+DEFAULT_PROJECT, DEFAULT_EXPERIMENT = "trident", "default"  # the config's project_name / experiment_name
 # (metric, short label, format) shown on the console line, when present
 CONSOLE_FIELDS = (
     ("critic/score/mean", "score", "{:.3f}"),
@@ -20,13 +37,19 @@ CONSOLE_FIELDS = (
     ("actor/ppo_kl", "kl", "{:.2e}"),
     ("actor/entropy", "entropy", "{:.3f}"),
     ("response_length/mean", "resp_len", "{:.1f}"),
+    ("loss", "loss", "{:.4f}"),  # offline tasks (reward model, DPO)
+    ("accuracy", "acc", "{:.3f}"),
+    ("rewards/accuracies", "acc", "{:.3f}"),
+    ("val/accuracy", "val_acc", "{:.3f}"),
+    ("val/rewards/accuracies", "val_acc", "{:.3f}"),
     ("timing_s/step", "step_s", "{:.2f}"),
     ("perf/throughput", "tok/s", "{:.0f}"),
 )
 
 
 def _to_float(value):
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # not imported here: config validation imports this module
+    if torch is not None and isinstance(value, torch.Tensor):
         return float(value.detach().float().mean().item()) if value.numel() else None
     if isinstance(value, bool):
         return float(value)
@@ -43,23 +66,154 @@ def _format_seconds(seconds):
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-class MetricsLogger:
-    """`log(metrics, step)` to the chosen loggers under log_dir/project/experiment."""
+def _flat_config(config, prefix=""):
+    """{"a": {"b": 1}} -> {"a.b": 1}: MLflow parameters are flat."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
-    def __init__(self, log_dir, loggers=LOGGERS, project="trident", experiment="default", total_steps=None,
-                 rank=0, stream=None):
-        unknown = [name for name in loggers if name not in LOGGERS]
-        if unknown:
-            raise ValueError(f"trainer.logger has unknown logger(s) {unknown}; choose from {list(LOGGERS)}")
+
+def _wandb_has_credentials():
+    """An API key from the environment or the ~/.netrc entry that `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class _WandbTracker:
+    def __init__(self, run_dir, project, experiment, config, stream):
+        import wandb
+        # read here, not left to wandb: its settings are fixed at the first init in a process
+        mode = os.environ.get("WANDB_MODE") or None
+        where = os.environ.get("WANDB_DIR") or run_dir
+        if mode is None and not _wandb_has_credentials():
+            mode = "offline"
+            print(f"wandb: no API key (WANDB_API_KEY or `wandb login`): logging offline under {where}/wandb; "
+                  "upload later with `wandb sync`", file=stream, flush=True)
+        self.run = wandb.init(project=project, name=experiment, config=config, mode=mode, dir=where)
+
+    def log(self, scalars, step):
+        self.run.log(scalars, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+class _SwanlabTracker:
+    def __init__(self, run_dir, project, experiment, config, stream):
+        import swanlab
+        mode = os.environ.get("SWANLAB_MODE") or None
+        where = os.environ.get("SWANLAB_LOG_DIR") or os.environ.get("SWANLAB_LOGDIR") or os.path.join(
+            run_dir, "swanlog")
+        if mode is None and swanlab.Settings().api_key is None:  # env or the `swanlab login` file
+            mode = "offline"
+            print(f"swanlab: no API key (SWANLAB_API_KEY or `swanlab login`): logging offline under {where}; "
+                  "upload later with `swanlab sync`", file=stream, flush=True)
+        self.run = swanlab.init(project=project, name=experiment, config=config, mode=mode, log_dir=where)
+
+    def log(self, scalars, step):
+        self.run.log(scalars, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+def mlflow_metric_name(name):
+    """MLflow accepts only [/\\w.\\- :] in names: '@' -> '_at_', anything else it refuses -> '_'."""
+    return re.sub(r"[^/\w.\- :]", "_", name.replace("@", "_at_"))
+
+
+class _MlflowTracker:
+    PARAM_CHARS = 500  # parameter values are cut here: older MLflow servers refuse longer ones
+
+    def __init__(self, run_dir, project, experiment, config, stream):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+        uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
+        if not uri:
+            uri = "sqlite:///" + os.path.abspath(os.path.join(run_dir, "mlflow.db"))
+            artifacts = pathlib.Path(os.path.abspath(os.path.join(run_dir, "mlartifacts"))).as_uri()
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(project)
+        experiment_id = (found.experiment_id if found is not None
+                         else self.client.create_experiment(project, artifact_location=artifacts))
+        self.run_id = self.client.create_run(experiment_id, run_name=experiment).info.run_id
+        params = [Param(mlflow_metric_name(k), str(v)[:self.PARAM_CHARS])
+                  for k, v in _flat_config(config or {}).items()]
+        for i in range(0, len(params), 100):  # MLflow's batch limit for parameters
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, scalars, step):
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_metric_name(k), v, now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit for metrics
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self):
+        self.client.set_terminated(self.run_id)
+
+
+class OptionalLogger(NamedTuple):
+    modules: tuple  # what must be importable
+    pip: str  # what to install (the same pins as setup.py's `loggers` extra)
+    factory: Callable  # (run_dir, project, experiment, config, stream) -> tracker with log / close
+
+
+# The one table of optional loggers: config check, error message and MetricsLogger all read it.
+OPTIONAL_LOGGERS = {
+    "wandb": OptionalLogger(("wandb",), "wandb==0.31.0", _WandbTracker),
+    "swanlab": OptionalLogger(("swanlab",), "swanlab==0.10.3", _SwanlabTracker),
+    # the local store is SQLite (MLflow's file store is in maintenance mode and refuses by default)
+    "mlflow": OptionalLogger(("mlflow", "sqlalchemy", "alembic"),
+                             "mlflow-skinny==3.17.2 sqlalchemy==2.1.9 alembic==1.20.1", _MlflowTracker),
+}
+LOGGERS = BUILTIN_LOGGERS + tuple(OPTIONAL_LOGGERS)
+
+
+def check_loggers(names) -> None:
+    """Refuse an unknown logger or one whose package is not installed, with the pip command."""
+    for name in names:
+        if name in BUILTIN_LOGGERS:
+            continue
+        entry = OPTIONAL_LOGGERS.get(name)
+        if entry is None:
+            raise ValueError(f"trainer.logger: unknown logger {name!r}; choose from {', '.join(LOGGERS)}")
+        missing = [m for m in entry.modules if importlib.util.find_spec(m) is None]
+        if missing:
+            what = " and ".join(missing) + (" packages" if len(missing) > 1 else " package")
+            raise ValueError(f"trainer.logger: {name!r} needs the {what}: pip install {entry.pip} "
+                             f"(or pip install -e .[loggers])")
+
+
+class MetricsLogger:
+    """`log(metrics, step)` to the chosen loggers, files under log_dir (the run's folder).
+
+    project / experiment name the run in wandb, swanlab and mlflow (trainer.project_name /
+    experiment_name; None: the config's defaults); config (a dict, e.g. dataclasses.asdict(cfg))
+    is recorded as the run's config / parameters there.
+    """
+
+    def __init__(self, log_dir, loggers=BUILTIN_LOGGERS, project=DEFAULT_PROJECT,
+                 experiment=DEFAULT_EXPERIMENT, total_steps=None, rank=0, stream=None, config=None):
+        check_loggers(loggers)  # on every rank: a missing package stops all ranks alike
         self.enabled = rank == 0
         self.loggers = tuple(loggers)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
-        # project / experiment are sub-folders; None when log_dir is already the run's folder
-        self.run_dir = os.path.join(log_dir, *(p for p in (project, experiment) if p))
+        self.run_dir = log_dir
         self.jsonl_path = os.path.join(self.run_dir, "metrics.jsonl")
         self._writer = None
         self._jsonl = None
+        self._trackers = []
         self._step_seconds = []
         self._last_log_time = None
         if not self.enabled:
@@ -70,6 +224,11 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=self.run_dir)
         if "jsonl" in self.loggers:
             self._jsonl = open(self.jsonl_path, "a")  # append: a resumed run continues the file
+        for name in dict.fromkeys(self.loggers):
+            if name in OPTIONAL_LOGGERS:
+                self._trackers.append(OPTIONAL_LOGGERS[name].factory(
+                    self.run_dir, project or DEFAULT_PROJECT, experiment or DEFAULT_EXPERIMENT, config,
+                    self.stream))
 
     def log(self, metrics, step):
         if not self.enabled:
@@ -90,6 +249,8 @@ class MetricsLogger:
             record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in scalars.items()}}
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
         if "console" in self.loggers:
             print(self.progress_line(scalars, step), file=self.stream, flush=True)
 
@@ -128,10 +289,14 @@ class MetricsLogger:
                           if name in scalars]
         if self.total_steps and self._step_seconds:
             recent = self._step_seconds[-20:]
-            parts.append(f"eta {_format_seconds(sum(recent) / len(recent) * max(self.total_steps - step, 0))}")
+            left = max(self.total_steps - step, 0)
+            parts.append(f"eta {_format_seconds(sum(recent) / len(recent) * left)}")
         return " | ".join(parts)
 
     def close(self):
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -199,7 +364,8 @@ def compute_data_metrics(token_level_scores, token_level_rewards, advantages, re
     }
     if values is not None:
         val_mean, val_max, val_min = _masked_stats(values, mask)
-        metrics.update({"critic/values/mean": val_mean, "critic/values/max": val_max, "critic/values/min": val_min})
+        metrics.update({"critic/values/mean": val_mean, "critic/values/max": val_max,
+                        "critic/values/min": val_min})
     if prompt_mask is not None:
         prompt_length = prompt_mask.bool().sum(-1).float()
         max_prompt_length = max_prompt_length or prompt_mask.shape[-1]
@@ -228,3 +394,42 @@ def compute_throughput_metrics(total_tokens, step_time, n_ranks, flops=None, pea
     if flops is not None and peak_flops_per_rank:
         metrics["perf/mfu"] = flops / (step_time * n_ranks * peak_flops_per_rank)
     return metrics
+
+
+def reduce_over_dp(local, dp):
+    """Mean / max / min metrics of equal-sized DP shards -> the global batch's (collective over
+    the data-parallel group)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(local)
+    group = ps.get_data_parallel_group()
+    vals = {}
+    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min")):
+        ks = [k for k in keys if k.endswith(pick)]
+        if ks:
+            t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
+            dist.all_reduce(t, op=op, group=group)
+            vals.update(zip(ks, t.tolist()))
+    ks = [k for k in keys if k not in vals]
+    t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    vals.update(zip(ks, (t / dp).tolist()))
+    return vals
+
+
+def peak_memory_gb():
+    """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.perf import peak_rss_bytes
+    if torch.cuda.is_available():
+        t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+        key = "perf/max_memory_allocated_gb"
+    else:
+        t = torch.tensor([peak_rss_bytes() / 2**30])
+        key = "perf/cpu_peak_rss_gb"
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {key: float(t)}

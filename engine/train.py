@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node N -m engine.train RECIPE.yaml key=value ...`
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
-critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer.
+critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
+`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead.
 """
 import os
 import sys
@@ -26,6 +27,7 @@ class Components:
     checkpoints: Optional[Any]
     peak_flops: Optional[float]
     reward_model: Optional[Any] = None
+    watch: Optional[Any] = None  # engine.guards.CollectiveWatch
 
 
 def load_hf_config(model_cfg, vocab_size=None):
@@ -90,25 +92,21 @@ def copy_weights(src_chunks, dst_chunks):
                 p.copy_(src[s.global_name])
 
 
-def build(cfg, world_size) -> Components:
+def build(cfg, world_size, watch=None) -> Components:
     """Every component of a run, on this rank, from a validated config."""
     from engine.config import derive
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
-    from parallel.mesh import Layout, init_mesh
+    from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)
     train_data, val_data = load_datasets(cfg, tokenizer)
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
     hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
     from engine.config import validate_layout
     from engine.models.arch import arch_spec
@@ -122,27 +120,39 @@ def build(cfg, world_size) -> Components:
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
     critic = ref = None
-    if derived.use_critic:
-        critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
+    if derived.use_critic:  # its own model (critic.model.path / config; the actor's when unset)
+        own = (cfg.critic.model.path, cfg.critic.model.config) != (arr.model.path, arr.model.config)
+        critic_hf = load_hf_config(cfg.critic.model, vocab_size=len(tokenizer)) if own else hf_config
+        critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
     # a LoRA actor's reference is its own base (adapters off): no second model is built
     if derived.use_reference and actor.lora is None:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    from engine.models.hf_io import load_hf_weights
     if arr.model.path:
-        from engine.models.hf_io import load_hf_weights
-        for worker in (w for w in (actor, ref, critic) if w is not None):
+        for worker in (w for w in (actor, ref) if w is not None):
             load_hf_weights(worker.chunks, arr.model.path)
-        for worker in (actor, critic):
-            if worker is not None and worker.optimizer is not None:
-                worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
+    if critic is not None and cfg.critic.model.path:
+        # a reward model's checkpoint initialises the value head from its score head
+        load_hf_weights(critic.chunks, cfg.critic.model.path, hf_config=critic.hf_config)
+    for worker in (actor, critic):
+        if worker is not None and worker.optimizer is not None:
+            worker.optimizer.reload_model_params()
     if derived.use_reference and actor.lora is not None:
         ref = actor.base_reference()
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
-    reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    custom = None
+    if cfg.custom_reward_function.path:
+        from engine.rewards.custom import load_custom_reward
+        custom = load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
+                              reward_manager=cfg.reward_model.reward_manager,
+                              overlong=cfg.reward_model.overlong_buffer,
+                              max_response_length=arr.rollout.response_length)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights
@@ -158,7 +168,7 @@ def build(cfg, world_size) -> Components:
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model)
+                               train_data, val_data, checkpoints, peak, reward_model, watch)
 
 
 def build_rollout(cfg, topology, hf_config, tokenizer):
@@ -187,7 +197,11 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, **record)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return dict(pad_token_id=pad, **record)
+    out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
+    if r.name == "hf":  # on the GPU in the actor's dtype
+        from engine.workers.base import DTYPES
+        out["dtype"] = DTYPES[arr.actor.megatron.params_dtype]
+    return out
 
 
 def _config_dir(hf_config, tokenizer):
@@ -214,16 +228,31 @@ def main(argv=None):
     cfg = load_config(recipe, overrides)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
-    init_distributed()
+    from engine.guards import CollectiveWatch, is_collective_failure
+    watch = CollectiveWatch().install()
+    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + dist.get_rank())
-    derived, components = build(cfg, dist.get_world_size())
-    trainer = Trainer(derived, components)
-    set_phase("training")
+    components = None
     try:
-        trainer.fit()
+        if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+            from engine.offline.build import build_offline
+            build_offline(cfg, dist.get_world_size()).fit()
+        else:
+            derived, components = build(cfg, dist.get_world_size(), watch=watch)
+            trainer = Trainer(derived, components)
+            set_phase("training")
+            trainer.fit()
+    except Exception as e:
+        if not is_collective_failure(e):
+            raise
+        # a peer died or stopped answering: one line, then leave at once (tearing the process
+        # group down would wait for the dead peer); torchrun sees the failure and ends the job
+        print(watch.describe(e, cfg.trainer.collective_timeout_s), file=sys.stderr, flush=True)
+        os._exit(1)
     finally:
-        components.rollout.shutdown()
-        components.reward_fn.close()
+        if components is not None:
+            components.rollout.shutdown()
+            components.reward_fn.close()
     set_phase("shutdown")
     dist.barrier()
     dist.destroy_process_group()

@@ -8,6 +8,7 @@ rollout groups (one engine each, on the group's leader) and each DP replica rece
 the responses it trains on (engine/rollout/group.py).
 """
 import contextlib
+import dataclasses
 import os
 import random
 from collections import defaultdict
@@ -18,34 +19,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.kl import make_kl_controller
+from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
-from engine.batch import Batch
-from engine.data import PromptLoader, left_pad
+from engine import faults
+from engine.data import PromptLoader
+from engine.experience import Online
+from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
-from engine.perf import CommTimer, step_flops
+from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
+                            peak_memory_gb, reduce_over_dp)
+from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.phase import set_phase
-from engine.metrics import MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics
-from engine.rollout.base import SamplingParams
+from engine.rollout.batches import sampling_params, training_batch
+from engine.validation import validate
 from parallel.cpu import suspended as cpu_function_mode_suspended
-
-
-class KLGuard:
-    """The monitoring rules users apply by hand, automated: KL above a ceiling multiplies the KL
-    coefficient by `raise_factor`; entropy below a floor multiplies it by `lower_factor`."""
-
-    def __init__(self, cfg, coef):
-        self.cfg, self.coef = cfg, coef
-
-    def update(self, kl, entropy):
-        action = 0
-        if kl is not None and kl > self.cfg.kl_ceiling:
-            self.coef *= self.cfg.raise_factor
-            action = 1
-        elif entropy is not None and entropy < self.cfg.entropy_floor:
-            self.coef *= self.cfg.lower_factor
-            action = -1
-        return {"kl_guard/kl_coef": self.coef, "kl_guard/action": action}
 
 
 class Trainer:
@@ -62,21 +49,33 @@ class Trainer:
         self.peak_flops = c.peak_flops
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size,
-                                   shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
-        guarded = arr.actor.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
+        self.kl_loss_coef = arr.actor.kl_loss_coef  # trainer state: the KL guard may move it
+        guarded = self.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        self.experience = Online()  # where a step's batch comes from (engine/experience.py)
+        self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
+        self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
+        for worker in (self.actor, self.critic):
+            if worker is not None:
+                worker.oom_retries = cfg.trainer.oom_retry
+        workers = {"actor": self.actor, "critic": self.critic, "ref": self.ref,
+                   "reward_model": self.reward_model}
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
-                                   arr.rollout.update_weights_bucket_megabytes)
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger, project=None,
-                                    experiment=None, total_steps=self.total_steps,
-                                    rank=self.rank)
+                                   arr.rollout.update_weights_bucket_megabytes, derived.phases,
+                                   {k: w for k, w in workers.items() if w is not None})
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
+                                    project=cfg.trainer.project_name,
+                                    experiment=cfg.trainer.experiment_name,
+                                    total_steps=self.total_steps, rank=self.rank,
+                                    config=dataclasses.asdict(cfg))
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
@@ -87,6 +86,11 @@ class Trainer:
                                    and not alg.use_kl_in_reward)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
+        # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
+        # the reward, it runs before the old-log-prob pass, which computes the KL from them
+        self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
+        self.keep_ref_hidden = self.full_kl_in_reward or (
+            arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self):
@@ -96,8 +100,13 @@ class Trainer:
             self.logger.log(self.validate(), self.step_count)
         while self.step_count < self.total_steps:
             prompts = self.loader.next_batch()
+            faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
+            if self.guard.after_step(metrics, metrics.pop("train/applied_update") > 0):
+                self.logger.log(metrics, self.step_count)
+                self.rollback()
+                continue
             if trainer.test_freq > 0 and (self.step_count % trainer.test_freq == 0
                                           or self.step_count == self.total_steps):
                 metrics.update(self.validate())
@@ -110,6 +119,7 @@ class Trainer:
             out = os.path.join(trainer.default_local_dir, "hf", f"step_{self.step_count}")
             source = self.cfg.actor_rollout_ref.model.path
             os.makedirs(os.path.dirname(out), exist_ok=True)
+            self.hybrid.enter("checkpoint")
             dist.barrier()
             save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
             if self.rank == 0 and not source:  # a built-in task's tokenizer
@@ -120,53 +130,55 @@ class Trainer:
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts; returns its metrics."""
         timings = defaultdict(float)
-        cfg, alg = self.cfg, self.cfg.algorithm
+        cfg = self.cfg
         with Timer("step", timings):
-            with self._phase("update_weights", timings):
-                sync = self.sync_weights()
-            self._offload_training(True)
-            with self._phase("gen", timings):
-                batch = self.generate(prompts, self._sampling(train=True))
-            if alg.adv_estimator == "remax":
-                with self._phase("gen", timings):
-                    baseline = self.generate(prompts, self._sampling(train=True, greedy=True),
-                                             n=1)
-                batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
-                    cfg.actor_rollout_ref.rollout.n)
-            self.hybrid.to_training()
-            self._offload_training(False)
+            batch, collected = self.experience.collect(self, prompts, timings)
+            self.hybrid.enter("reward")
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
+            metrics = self._reward_extra_metrics(extra)
+            metrics.update(collected)
+            if self.ref is not None and self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
+                self.hybrid.enter("old_log_prob")
                 with self._phase("old_log_prob", timings):
-                    batch["old_log_probs"] = self.actor.compute_log_prob(
+                    out = self.actor.forward_outputs(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("rollout"))
-            if self.ref is not None:
-                with self._phase("ref", timings):
-                    batch["ref_log_prob"] = self.ref.compute_log_prob(
-                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("ref"))
+                        with_full_kl=self.full_kl_in_reward, **self.derived.forward["actor"].kwargs())
+                    batch["old_log_probs"] = out["log_prob"]
+                    if self.full_kl_in_reward:
+                        batch["old_full_kl"] = out["full_kl"]
+            if self.ref is not None and not self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if self.critic is not None:
+                self.hybrid.enter("values")
                 with self._phase("values", timings):
-                    batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
-            metrics = {}
+                    batch["values"] = self.critic.compute_values(batch, **self.derived.forward["critic"].kwargs())
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
-            if self.critic is not None:
+            # NaN / Inf rewards (a broken verifier, a reward model gone bad) train nothing
+            finite = self.guard.finite(batch["token_level_rewards"])
+            metrics["train/applied_update"] = 0.0
+            if finite and self.critic is not None:
+                self.hybrid.enter("critic_update")
                 with self._phase("update_critic", timings):
-                    metrics.update(self.critic.update_critic(batch))
-            with self._phase("update_actor", timings):
-                metrics.update(self.actor.update_policy(
-                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature))
+                    metrics.update(self.critic.update_critic(batch, **self.derived.critic.update.kwargs()))
+            if finite:
+                self.hybrid.enter("actor_update")
+                with self._phase("update_actor", timings):
+                    metrics.update(self.actor.update_policy(
+                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                        kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
+                steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
+                metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
-        metrics["perf/update_weights_gb"] = sync.bytes / 1e9
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
             self.comm.seconds.clear()
-        metrics.update(self._perf_metrics(batch, timings["timing_s/step"]))
+        metrics.update(self._perf_metrics(batch, timings))
         if self.kl_guard is not None:
             metrics.update(self._apply_kl_guard(metrics))
         metrics["training/epoch"] = prompts.epoch
@@ -176,13 +188,30 @@ class Trainer:
         return metrics
 
     # -- steps -----------------------------------------------------------------------------
+    def _reference_pass(self, batch, timings):
+        """Reference log-probs; for the exact KL also its hidden states and output-weight shard
+        (host memory, last pipeline stage only: see engine/workers/actor.py)."""
+        self.hybrid.enter("ref")
+        with self._phase("ref", timings):
+            out = self.ref.forward_outputs(
+                batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                with_hidden=self.keep_ref_hidden, **self.derived.forward["ref"].kwargs())
+        batch["ref_log_prob"] = out["log_prob"]
+        if "hidden" in out:
+            batch["ref_hidden"] = out["hidden"]
+            batch.meta["ref_output_weight"] = out["output_weight"]
+
     def sync_weights(self):
-        """The rollout engine takes its memory back and receives the actor's current weights."""
-        return self.hybrid.to_rollout()
+        """The colocated sync: training state out, the actor's weights into the rollout engines,
+        their KV cache in; ends in the generate phase."""
+        return self.hybrid.sync()
 
     @contextlib.contextmanager
     def _phase(self, name, timings):
         """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
+        faults.act(name)
+        if self.watch is not None:
+            self.watch.phase = name
         if self.comm is not None:
             self.comm.phase = name
         set_phase(name)  # what a launcher reports if this rank dies here (engine.launch_ray)
@@ -192,25 +221,9 @@ class Trainer:
         if self.comm is not None:
             self.comm.phase = "other"
 
-    def _offload_training(self, offload):
-        """While the rollout engine generates, the models give back what their config offloads."""
-        for worker in (self.actor, self.critic, self.ref):
-            if worker is not None:
-                worker.offload() if offload else worker.reload()
-
     def _sampling(self, train=True, greedy=False):
-        r = self.cfg.actor_rollout_ref.rollout
-        if train and not greedy:
-            return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=r.response_length,
-                                  stop_token_ids=tuple(self.eos_ids),
-                                  seed=r.seed + 1000003 * self.step_count, do_sample=r.do_sample,
-                                  ignore_eos=r.ignore_eos)
-        v = r.val_kwargs
-        return SamplingParams(n=1 if greedy else v.n, temperature=0.0 if greedy else v.temperature,
-                              top_p=v.top_p, top_k=v.top_k, max_new_tokens=r.response_length,
-                              stop_token_ids=tuple(self.eos_ids), seed=r.seed,
-                              do_sample=False if greedy else v.do_sample)
+        return sampling_params(self.cfg.actor_rollout_ref.rollout, self.eos_ids, self.step_count,
+                               train=train, greedy=greedy)
 
     def _my_prompts(self, prompts):
         """This DP rank's contiguous share of the step's prompts."""
@@ -234,46 +247,30 @@ class Trainer:
         got = self.rollout.generate_for_replicas(list(prompts.input_ids), list(prompts.indices),
                                                  sampling, generate=self._engine_generate)
         self.route_bytes = self.rollout.route_bytes
-        responses = {i: v[0] for i, v in got.items()}
-        logps = {i: v[1] for i, v in got.items()}
-        routing = {i: v[2] for i, v in got.items() if v[2] is not None}
-        rows = self._my_prompts(prompts) if rows is None else rows
         r = self.cfg.actor_rollout_ref.rollout
-        prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
-                                           self.pad_id, r.prompt_length)
-        resp_list = [responses[i][j] for i in rows for j in range(n)]
-        lp_list = [logps[i][j] for i in rows for j in range(n)]
-        width = r.response_length
-        resp = torch.full((len(resp_list), width), self.pad_id, dtype=torch.long)
-        rmask = torch.zeros(len(resp_list), width, dtype=torch.long)
-        rlp = torch.zeros(len(resp_list), width)
-        for k, (t, lp) in enumerate(zip(resp_list, lp_list)):
-            t = t[:width]
-            resp[k, :len(t)] = torch.tensor(t, dtype=torch.long)
-            rmask[k, :len(t)] = 1
-            rlp[k, :len(t)] = torch.tensor(lp[:width])
-        extra = {}
-        if routing:
-            extra["routed_experts"] = [routing[i][j] for i in rows for j in range(n)]
-        batch = Batch(
-            tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
-                         attention_mask=torch.cat([prompt_mask, rmask], 1),
-                         responses=resp, response_mask=rmask, rollout_log_probs=rlp,
-                         prompt_mask=prompt_mask),
-            non_tensors=dict(
-                uid=[prompts.indices[i] for i in rows for _ in range(n)],
-                ground_truth=[prompts.ground_truths[i] for i in rows for _ in range(n)],
-                data_source=[prompts.data_sources[i] for i in rows for _ in range(n)],
-                extra_info=[prompts.extra_infos[i] for i in rows for _ in range(n)], **extra))
-        return batch
+        rows = self._my_prompts(prompts) if rows is None else rows
+        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
+                              raw_chat=self.cfg.data.return_raw_chat)
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
-        model_scores = self.reward_model.compute_scores(batch) if self.reward_model else None
+        model_scores = (self.reward_model.compute_scores(batch, **self.derived.forward["reward_model"].kwargs())
+                        if self.reward_model else None)
+        extra_infos = list(batch["extra_info"])
+        if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
+            extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
         return self.reward_fn(batch["responses"], batch["response_mask"],
                               ground_truths=list(batch["ground_truth"]),
                               data_sources=list(batch["data_source"]),
-                              extra_infos=list(batch["extra_info"]), model_scores=model_scores)
+                              extra_infos=extra_infos, model_scores=model_scores)
+
+    REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong")
+
+    def _reward_extra_metrics(self, extra):
+        """Means over the global batch of the reward extras every rank has (same config)."""
+        local = {f"reward_extra/{k}/mean": float(np.mean([float(v) for v in extra[k]]))
+                 for k in self.REWARD_EXTRAS if k in extra and len(extra[k])}
+        return reduce_over_dp(local, self.dp) if local else {}
 
     def _scores(self, batch):
         scores, _ = self.compute_scores(batch)
@@ -286,7 +283,8 @@ class Trainer:
             return {}
         rewards, metrics = apply_kl_penalty(
             batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty)
+            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty,
+            full_kl=batch["old_full_kl"] if self.full_kl_in_reward else None)
         batch["token_level_rewards"] = rewards
         kl = torch.tensor([float(metrics["actor/reward_kl_penalty"])])
         dist.all_reduce(kl, group=ps.get_data_parallel_group())
@@ -306,13 +304,6 @@ class Trainer:
         batch["advantages"], batch["returns"] = adv, ret
         return batch
 
-    def _log_prob_split(self, section):
-        arr = self.cfg.actor_rollout_ref
-        sec = arr.rollout if section == "rollout" else arr.ref
-        if sec.log_prob_use_dynamic_bsz:
-            return dict(max_tokens=sec.log_prob_max_token_len_per_gpu)
-        return dict(micro_batch_size=sec.log_prob_micro_batch_size_per_gpu)
-
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):
         local = compute_data_metrics(
@@ -322,35 +313,36 @@ class Trainer:
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
         return reduce_over_dp(local, self.dp)
 
-    def _perf_metrics(self, batch, step_time):
+    def _perf_metrics(self, batch, timings):
+        step_time = timings["timing_s/step"]
         tokens = torch.tensor([float(batch["attention_mask"].sum())])
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         total = float(tokens)
         actor = self.cfg.actor_rollout_ref.actor
-        flops = step_flops(self.actor_params, total, ppo_epochs=actor.ppo_epochs,
+        _, active = model_flops_params(self.hf_config)  # the whole model's, per token (MoE: top-k)
+        flops = step_flops(self.actor_params, total, active_params=active, ppo_epochs=actor.ppo_epochs,
                            critic_epochs=self.cfg.critic.ppo_epochs or actor.ppo_epochs,
                            critic=self.critic is not None, ref=self.ref is not None,
                            old_log_prob=not self.reuse_old_log_prob)
         out = compute_throughput_metrics(total, step_time, self.world, flops=flops,
                                          peak_flops_per_rank=self.peak_flops)
         out["perf/peak_flops_per_rank"] = self.peak_flops or 0.0
+        update_s = timings.get("timing_s/update_actor", 0.0)
+        if self.peak_flops and update_s > 0:  # the actor update alone: forward + backward per epoch
+            out["perf/mfu/actor_update"] = (6.0 * active * total * actor.ppo_epochs
+                                            / (update_s * self.world * self.peak_flops))
         out.update(peak_memory_gb())
         return out
 
     @property
     def actor_params(self):
-        if not hasattr(self, "_actor_params"):
-            n = torch.tensor([float(sum(p.numel() for c in self.actor.chunks
-                                        for p in c.parameters()))])
-            dist.all_reduce(n, group=ps.get_model_parallel_group())
-            self._actor_params = float(n)
-        return self._actor_params
+        return model_flops_params(self.hf_config)[0]
 
     def _apply_kl_guard(self, metrics):
         kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty"))
         out = self.kl_guard.update(kl, metrics.get("actor/entropy"))
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
-            self.actor.cfg.kl_loss_coef = self.kl_guard.coef
+            self.kl_loss_coef = self.kl_guard.coef
         elif self.kl_ctrl is not None:
             self.kl_ctrl.value = self.kl_guard.coef
         return out
@@ -360,50 +352,41 @@ class Trainer:
         if self.val_data is None or len(self.val_data) == 0:
             return {}
         self.sync_weights()
-        n = len(self.val_data)
-        rows = [self.val_data[i] for i in range(n)]
-        sampling = self._sampling(train=False)
-        mine, out = self.rollout.generate_split([r["input_ids"] for r in rows], list(range(n)), sampling,
-                                                generate=self._engine_generate)
-        sums = defaultdict(lambda: [0.0, 0])  # data source -> [score sum, count] on this leader
-        if out is not None:
-            texts = self.tokenizer.batch_decode(
-                [r[:-1] if r and r[-1] in self.eos_ids else r for r in out.responses],
-                skip_special_tokens=self.reward_fn.skip_special_tokens)
-            k = sampling.n
-            for j, text in enumerate(texts):
-                row = rows[mine[j // k]]
-                s = self.reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
-                sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)
-                sums[row["data_source"]][1] += 1
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, dict(sums))  # a few numbers per rank
-        total = defaultdict(lambda: [0.0, 0])
-        for part in gathered:
-            for source, (value, count) in part.items():
-                total[source][0] += value
-                total[source][1] += count
-        metrics = {f"val/{src}/score/mean": v / c for src, (v, c) in total.items()}
-        metrics["val/score/mean"] = (sum(v for v, _ in total.values())
-                                     / max(1, sum(c for _, c in total.values())))
-        self.hybrid.to_training()
-        return metrics
+        self.hybrid.enter("validate")
+        return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
+                        self._sampling(train=False), self.eos_ids,
+                        batch_size=self.cfg.data.val_batch_size, generate=self._engine_generate)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
         return {"step": self.step_count, "loader": self.loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
-                "kl_guard": self.kl_guard.coef if self.kl_guard else None,
+                "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
+                "kl_loss_coef": self.kl_loss_coef,
+                "guard": self.guard.state_dict(),
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
+        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
+            if self.rank == 0:
+                print(f"checkpoint of step {self.step_count} holds no trainer state (save_contents without "
+                      "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
+                      flush=True)
+            self.loader.seek(self.step_count)
+            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.kl_guard is not None and state.get("kl_guard") is not None:
-            self.kl_guard.coef = state["kl_guard"]
+            self.kl_guard.load_state_dict(state["kl_guard"])
+        self.kl_loss_coef = float(state.get("kl_loss_coef", self.kl_loss_coef))
+        self.guard.load_state_dict(state.get("guard", {}))
+        for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
+            self.workers()[name].split = tuple(split)
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -418,7 +401,26 @@ class Trainer:
 
     def save(self):
         if self.checkpoints is not None:
-            self.checkpoints.save(self.step_count, self.workers(), self.state_dict())
+            self.hybrid.enter("checkpoint")
+            self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+    def rollback(self):
+        """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
+        checkpoint (its weights, data position, RNG) with a lower LR; without one, the current
+        weights are the last good ones (nothing non-finite was applied): lower the LR in place."""
+        guard = self.guard.state_dict()
+        path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
+        if path is not None:
+            self.hybrid.enter("checkpoint")
+            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.logger.truncate_after(self.step_count)
+        self.guard.load_state_dict(guard)
+        scale = self.guard.lower_lr(list(self.workers().values()))
+        if self.rank == 0:
+            print(f"non-finite values in {self.guard.max_skips} steps in a row: "
+                  f"{'rolled back to ' + path if path else 'no checkpoint to roll back to'}; "
+                  f"the LR is now x{scale:g} of the recipe's (trainer.rollback_lr_factor)", flush=True)
 
     def resume(self):
         t = self.cfg.trainer
@@ -433,37 +435,6 @@ class Trainer:
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step_count}", flush=True)
-
-
-def peak_memory_gb():
-    """Peak memory of the most loaded rank: CUDA allocator peak on GPU, process RSS on CPU."""
-    from engine.perf import peak_rss_bytes
-    if torch.cuda.is_available():
-        t = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
-        key = "perf/max_memory_allocated_gb"
-    else:
-        t = torch.tensor([peak_rss_bytes() / 2**30])
-        key = "perf/cpu_peak_rss_gb"
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {key: float(t)}
-
-
-def reduce_over_dp(local, dp):
-    """Mean / max / min metrics of equal-sized DP shards -> the global batch's."""
-    keys = sorted(local)
-    group = ps.get_data_parallel_group()
-    vals = {}
-    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min")):
-        ks = [k for k in keys if k.endswith(pick)]
-        if ks:
-            t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-            dist.all_reduce(t, op=op, group=group)
-            vals.update(zip(ks, t.tolist()))
-    ks = [k for k in keys if k not in vals]
-    t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    vals.update(zip(ks, (t / dp).tolist()))
-    return vals
 
 
 def set_seed(seed):

@@ -44,7 +44,8 @@ def dequantise(q, s, bm, bn):
     out = torch.empty(q.shape)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            out[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn].float() * s[i, j]
+            rows, cols = slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn)
+            out[rows, cols] = q[rows, cols].float() * s[i, j]
     return out
 
 

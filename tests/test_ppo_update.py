@@ -260,9 +260,13 @@ def _update_twice(offload):
         batch["old_log_probs"], batch["ref_log_prob"] = old + batch["noise"] * batch["response_mask"], old
         worker.update_policy(batch)
         if offload:
-            freed.append(worker.offload())
+            before = worker.resident_bytes()
+            worker.set_resident(())
             assert all(p.untyped_storage().nbytes() == 0 for c in worker.chunks for p in c.parameters())
-            assert worker.reload() == freed[-1]
+            assert worker.resident_bytes() == {"params": 0, "grads": 0, "optimizer": 0}
+            freed.append(sum(before.values()))
+            worker.set_resident(("params", "grads", "optimizer"))
+            assert worker.resident_bytes() == before
     return freed, dict(iter_global(worker.chunks, "param"))
 
 

@@ -303,3 +303,19 @@ def test_make_rollout(llama):
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             make_rollout("sglang", llama.config, eos_token_ids=[EOS])
 
+
+
+def test_sampling_depends_on_the_prompt_key_not_the_batch(llama):
+    """max_num_seqs splits the batch; keyed sampling draws the same responses for each prompt
+    whether it is decoded alone, in a split batch or in one batch (what rollout groups need)."""
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=11)
+    keys = [40, 41, 42]
+    whole = loaded_rollout(llama).generate(PROMPTS, sampling, keys=keys)
+    split = loaded_rollout(llama, max_num_seqs=3).generate(PROMPTS, sampling, keys=keys)
+    alone = loaded_rollout(llama).generate(PROMPTS[2:], sampling, keys=keys[2:])
+    assert split.responses == whole.responses and split.prompt_index == whole.prompt_index
+    assert alone.responses == whole.responses[4:]
+    other = loaded_rollout(llama).generate(PROMPTS, sampling, keys=[1, 2, 3])
+    assert other.responses != whole.responses  # the key, not the position, picks the stream
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        CPURollout(llama.config, eos_token_ids=[EOS], max_num_seqs=0)

@@ -136,7 +136,7 @@ def test_cpu_rollout_tp2_draws_the_same_responses_as_tp1(tmp_path):
 
 
 def _route_bytes(world, tmp):
-    t = _trainer(world, [f"actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    t = _trainer(world, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                          "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                          "actor_rollout_ref.rollout.n=4"], tmp)
     prompts = t.loader.next_batch()

@@ -3,13 +3,13 @@ import types
 
 import pytest
 
-from engine.trainer import KLGuard
+from engine.algorithms.kl import KLGuard
 from tests.multirank import run_on_ranks
 
 
 def _guard(**kw):
     cfg = types.SimpleNamespace(**dict(dict(kl_ceiling=0.1, entropy_floor=0.5, raise_factor=2.0,
-                                            lower_factor=0.5), **kw))
+                                            lower_factor=0.5, warn_range=[0.0005, 0.05]), **kw))
     return KLGuard(cfg, coef=0.01)
 
 
@@ -26,9 +26,26 @@ def test_kl_guard_lowers_it_when_entropy_collapses_and_holds_otherwise():
     assert g.update(kl=None, entropy=None)["kl_guard/action"] == 0
 
 
+def test_kl_guard_defaults_follow_the_runbook_and_warn_outside_the_range(caplog):
+    from engine.config.schema import KlGuardConfig
+    cfg = KlGuardConfig(enable=True)
+    assert (cfg.kl_ceiling, cfg.raise_factor, cfg.entropy_floor, cfg.lower_factor) == (0.3, 1.2, 0.1, 0.9)
+    g = KLGuard(cfg, coef=0.009)
+    with caplog.at_level("WARNING"):
+        assert g.update(kl=0.31, entropy=1.0)["kl_guard/kl_coef"] == pytest.approx(0.0108)
+    assert "outside algorithm.kl_guard.warn_range" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        g.update(kl=0.1, entropy=0.05)  # 0.0108 x 0.9 = 0.00972: back inside
+    assert caplog.text == ""
+    restored = KLGuard(cfg, coef=0.001)
+    restored.load_state_dict(g.state_dict())
+    assert restored.coef == g.coef
+
+
 def _reduce(values):
     import torch.distributed as dist
-    from engine.trainer import reduce_over_dp
+    from engine.metrics import reduce_over_dp
     from parallel.mesh import Layout, init_mesh
     init_mesh(Layout())
     return reduce_over_dp(values[dist.get_rank()], 2)

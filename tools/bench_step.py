@@ -39,6 +39,16 @@ def _shape(prompts, n, response, mini, micro):
             f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}"]
 
 
+def _gpu(hidden, layers, heads, kv, ffn, vocab):
+    """One GPU, bf16, the actor alone (no KL: no reference model beside it), Megatron's
+    distributed optimizer; rollout.name comes from the caller (sglang, or hf without it)."""
+    p = "actor_rollout_ref.actor."
+    return _model(hidden, layers, heads, kv, ffn, vocab) + [
+        "trainer.device=cuda", f"{p}megatron.params_dtype=bfloat16", f"{p}use_kl_loss=false",
+        f"{p}megatron.use_distributed_optimizer=true", f"{p}optim.lr=1e-6",
+        "actor_rollout_ref.model.config.max_position_embeddings=1024", "data.max_prompt_length=16"]
+
+
 # name -> (recipe, overrides); all GRPO on the built-in task, fixed-length responses.
 WORKLOADS = {
     "tiny": (DEMO, []),
@@ -47,6 +57,11 @@ WORKLOADS = {
     # whole batch, so a GRPO-sized batch (not a handful of rows) is what keeps generation
     # compute-bound; 16 rows per rank ran generation at about half the matmul rate.
     "75m": (DEMO, _model(768, 12, 12, 4, 2048) + _shape(32, 4, 64, 32, 16)),
+    # make gpu-check: the largest dense model whose actor (bf16 weights, fp32 grads, Adam) and
+    # rollout share one H200 and run 3 steps in about 3 minutes: 3.8B parameters (Llama-shaped,
+    # hidden 3072, 36 layers) x 16 bytes of training state = 61 GB, + activations of 16 x 272
+    # tokens per micro-batch, + the rollout's bf16 copy and KV cache
+    "gpu": (DEMO, _gpu(3072, 36, 24, 8, 8192, 32000) + _shape(16, 4, 256, 16, 16)),
 }
 
 
@@ -88,7 +103,8 @@ def summarise(records, warmup):
            "mfu": med("perf/mfu"),
            "peak_flops_per_rank": med("perf/peak_flops_per_rank"),
            "peak_memory_gb": med("perf/cpu_peak_rss_gb") or med("perf/max_memory_allocated_gb"),
-           "tokens_per_step": med("perf/total_num_tokens")}
+           "tokens_per_step": med("perf/total_num_tokens"),
+           "mfu_actor_update": med("perf/mfu/actor_update")}
     out["phases_s"] = {p: med(f"timing_s/{p}") for p in PHASES if med(f"timing_s/{p}") is not None}
     out["comm_s"] = {p: med(f"perf/comm_s/{p}") for p in PHASES + ("other",)
                      if med(f"perf/comm_s/{p}") is not None}
@@ -131,11 +147,25 @@ def print_table(name, summary, per_step=None):
             print(f"{r['step']:>4} {r.get('timing_s/step', 0):8.2f} {r.get('perf/throughput', 0):11.1f} "
                   f"{r.get('perf/mfu', 0):6.3f}")
     print(f"median step {summary['step_s']:.2f} s | {summary['tokens_per_s_per_rank']:.1f} tokens/s/rank | "
-          f"MFU {summary['mfu'] or 0:.3f} of a measured {(summary['peak_flops_per_rank'] or 0) / 1e9:.1f} "
+          f"MFU {summary['mfu'] or 0:.3f} (actor update {summary.get('mfu_actor_update') or 0:.3f}) "
+          f"of a measured {(summary['peak_flops_per_rank'] or 0) / 1e9:.1f} "
           f"GFLOP/s per rank | peak memory {summary['peak_memory_gb'] or 0:.2f} GB/rank")
     total = sum(summary["phases_s"].values()) or 1.0
     print("phases: " + ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)"
                                  for k, v in summary["phases_s"].items()))
+
+
+def _describe(recipe, overrides):
+    """'3.81B params (hidden 3072 x 36 layers)' for the report."""
+    try:
+        from engine.config import load_config
+        from engine.perf import param_counts
+        from engine.train import load_hf_config
+        hf = load_hf_config(load_config(recipe, [o for o in overrides if "=" in o]).actor_rollout_ref.model)
+        return (f"{param_counts(hf).total / 1e9:.2f}B params (hidden {hf.hidden_size} x "
+                f"{hf.num_hidden_layers} layers)")
+    except Exception as e:  # a description only: never fail the benchmark for it
+        return f"? ({e})"
 
 
 def run(args):
@@ -144,7 +174,7 @@ def run(args):
     with tempfile.TemporaryDirectory() as tmp:
         records, wall = run_trainer(recipe, overrides, args.nproc, args.warmup + args.steps, tmp)
     summary = summarise(records, args.warmup)
-    summary.update(workload=args.workload, nproc=args.nproc, wall_s=wall)
+    summary.update(workload=args.workload, nproc=args.nproc, wall_s=wall, model=_describe(recipe, overrides))
     print_table(args.workload, summary, records)
     if args.overlap:
         summary["overlap"] = compare_overlap(recipe, overrides, args)

@@ -92,10 +92,11 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
     hf_config = hf_io.load_config(hf_dir)
     arch_spec(hf_config)  # unsupported architectures fail here, before any work
     index = hf_io.read_index(hf_dir)
-    hf_io.validate_checkpoint(hf_config, index)
+    hf_io.validate_checkpoint(hf_config, index, hf_io.head_of(hf_config))
     init_mesh(layout)
     dtype = _torch_dtype(params_dtype, hf_config)
-    chunks = build_model(hf_config, params_dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=dtype,
+                         sequence_parallel=layout.sequence_parallel)
     hf_io.load_hf_weights(chunks, hf_dir, hf_config)
     _log(f"loaded {len(index)} HF tensors from {hf_dir}")
     tmp = _shared_tmp_dir(out_dir)
@@ -141,7 +142,9 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
         raise ValueError(error)
     init_mesh(layout)
     params_dtype = _torch_dtype(meta.get("params_dtype", "auto"), hf_config)
-    chunks = build_model(hf_config, params_dtype=params_dtype, sequence_parallel=layout.sequence_parallel)
+    # a sequence-classification config (a trained reward model) builds the value head
+    chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=params_dtype,
+                         sequence_parallel=layout.sequence_parallel)
     state = dist_checkpointing.load(_state_dict_of(chunks), ckpt_dir)
     for key, chunk in zip(sorted(state) if len(chunks) > 1 else ["model"], chunks):
         chunk.load_state_dict(state[key], strict=True)
@@ -361,7 +364,7 @@ def _prepare(args):
                              "(config.json + *.safetensors)")
         hf_config = hf_io.load_config(args.hf)
         arch_spec(hf_config)  # unsupported architectures / RoPE fail here
-        hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf))
+        hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf), hf_io.head_of(hf_config))
     elif args.command == "lora-to-hf":
         lora_meta(args.ckpt)
         if args.format == "merged" and not args.base:

@@ -34,6 +34,10 @@ pipeline stage holds min(PP, micro-batches) micro-batches in flight under 1F1B (
 the largest parameter's gradient (autograd makes it before Megatron's hook accumulates it).
 Logits are never materialised (kernels/logprob.py): the last stage holds the final hidden
 states, its fp32 gradient, the output-weight gradient and the kernel's chunk buffers.
+The exact KL (kl_loss_type / kl_penalty full, full+) keeps the reference's hidden states at
+every response token of the rank's batch in host memory (`host`) and adds to the pass that
+computes it the reference's weight shard, a micro-batch of those states and a chunk of both
+models' logits (`full_kl_bytes`).
 
 The rollout engine (SGLang) takes gpu_memory_utilization x GPU memory while it generates; the
 training state that is not offloaded (param/grad/optimizer_offload) stays beside it. A layout
@@ -53,6 +57,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from engine.config import ConfigError, apply_override, derive, load_config  # noqa: E402
+from engine.config.phases import PHASES, ROLLOUT_PHASES, RUNS  # noqa: E402
+from kernels.kl import FULL_KL_KINDS  # noqa: E402
+
+STATE_KEYS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
 
 GIB = 1 << 30
 RESERVE_GIB = 2.0
@@ -223,15 +231,32 @@ def head_bytes(s: Shape, tokens: int, tp: int, device: str, param_bytes: int, he
     return tokens * s.h * (param_bytes + 4) + v_local * s.h * param_bytes + buffers
 
 
+def full_kl_bytes(s: Shape, c, lay, tokens: int, device: str, pbytes: int):
+    """(host, device) bytes of the exact KL on a last-stage rank: the reference's final hidden
+    states at every response token of the rank's batch (whole on every TP and CP rank) and a
+    copy of its output-weight shard, held from the reference pass to the actor update; on the
+    device while the KL runs, that shard, a micro-batch of the states and one chunk of both
+    models' logits (kernels/kl.py: half the log-prob chunk each, matmul dtype + fp32 + aux)."""
+    from kernels.logprob import default_chunk_tokens
+
+    v_local = s.vocab // lay.tp
+    weight = v_local * s.h * pbytes
+    seqs = c.data.train_batch_size * c.actor_rollout_ref.rollout.n // lay.dp
+    host = seqs * c.data.max_response_length * s.h * pbytes + weight
+    chunk = min(tokens, max(1, default_chunk_tokens(v_local, device) // 2))
+    buffers = 2 * chunk * v_local * (pbytes + (4 if pbytes != 4 else 0) + 4)
+    return host, weight + tokens * s.h * pbytes + buffers
+
+
 # --------------------------------------------------------------------------------------------
 # Estimate
 # --------------------------------------------------------------------------------------------
 
-def _micro_tokens(section, cfg, dynamic_key="use_dynamic_bsz"):
+def _micro_tokens(section, cfg, dynamic_key="use_dynamic_bsz", prefix="ppo"):
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     if getattr(section, dynamic_key):
-        return section.ppo_max_token_len_per_gpu
-    return section.ppo_micro_batch_size_per_gpu * seq
+        return getattr(section, f"{prefix}_max_token_len_per_gpu")
+    return getattr(section, f"{prefix}_micro_batch_size_per_gpu") * seq
 
 
 def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, train: bool,
@@ -252,16 +277,18 @@ def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, trai
         dense, expert = stage_params(s, tp, pp, ep, etp, stage, head)
         p = dense + expert
         out = dict(params=p, dense_params=dense, expert_params=expert,
-                   weights=p * pbytes, grads=0, optimizer=0, activations=0)
+                   weights=p * pbytes, grads=0, optimizer=0, activations=0, forward_activations=0)
+        per = s.layers // pp
+        per_layer = [layer_activation_bytes(s, bool(s.moe_pattern[i]), tp, sp, etp, device)
+                     for i in range(stage * per, (stage + 1) * per)]
+        # a forward-only pass keeps no activations: one layer's at a time, and the head
+        out["forward_activations"] = max(per_layer) * tokens + (
+            head_bytes(s, tokens, tp, device, pbytes, head) if stage == pp - 1 else 0)
         if train:
             dp_shard = lay.dp if m.use_distributed_optimizer else 1
             edp_shard = lay.expert_dp if m.use_distributed_optimizer else 1
             out["grads"] = p * 4
             out["optimizer"] = opt_bytes * (dense / dp_shard + expert / edp_shard)
-            per = s.layers // pp
-            layers = range(stage * per, (stage + 1) * per)
-            per_layer = [layer_activation_bytes(s, bool(s.moe_pattern[i]), tp, sp, etp, device)
-                         for i in layers]
             if recompute:
                 kept = per * s.h / (tp if sp else 1) * pbytes
                 work = max(per_layer) * min(unit, per)
@@ -290,47 +317,90 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
     d = derive(cfg, world_size=world_size, cuda_available=device == "cuda")
     c, lay = d.config, d.layout
     arr = c.actor_rollout_ref
-    shape = shape_of(hf_config_of(arr.model))
+    hf = hf_config_of(arr.model)
+    shape = shape_of(hf)
+    from engine.perf import param_counts
+    counts = param_counts(hf)
     from engine.config import validate_layout
     validate_layout(c, world_size, num_layers=shape.layers, num_experts=shape.experts)
 
+    tokens = {"actor": _micro_tokens(arr.actor, c)}
     models = {"actor": model_memory(
-        shape, arr.actor.megatron, lay, head="lm", tokens=_micro_tokens(arr.actor, c),
+        shape, arr.actor.megatron, lay, head="lm", tokens=tokens["actor"],
         n_micro=d.actor.grad_accum_steps or 1, train=True, device=device)}
-    offload = {"actor": arr.actor.megatron}
     if d.use_critic:
         cshape = shape_of(hf_config_of(c.critic.model))
+        tokens["critic"] = _micro_tokens(c.critic, c)
         models["critic"] = model_memory(
-            cshape, c.critic.megatron, lay, head="value", tokens=_micro_tokens(c.critic, c),
+            cshape, c.critic.megatron, lay, head="value", tokens=tokens["critic"],
             n_micro=d.critic.grad_accum_steps or 1, train=True, device=device)
-        offload["critic"] = c.critic.megatron
+    log_prob_tokens = _micro_tokens(arr.rollout, c, "log_prob_use_dynamic_bsz", "log_prob")
     if d.use_reference:
-        models["ref"] = model_memory(shape, arr.ref.megatron, lay, head="lm", tokens=0, n_micro=1,
-                                     train=False, device=device)
-        offload["ref"] = arr.ref.megatron
-
-    def resident(name):  # what stays on the device while another phase runs
-        m, mem = offload[name], models[name]
-        return ((0 if m.param_offload else mem["weights"]) + (0 if m.grad_offload else mem["grads"])
-                + (0 if m.optimizer_offload else mem["optimizer"]))
-
-    # Training phase: each trained model in turn runs with its full state on the device.
-    training = max(models[n]["weights"] + models[n]["grads"] + models[n]["optimizer"]
-                   + models[n]["activations"] + sum(resident(o) for o in models if o != n)
-                   for n in models)
+        models["ref"] = model_memory(shape, arr.ref.megatron, lay, head="lm", tokens=log_prob_tokens,
+                                     n_micro=1, train=False, device=device)
+    if c.reward_model.enable:
+        rshape = shape_of(hf_config_of(c.reward_model.model))
+        models["reward_model"] = model_memory(rshape, c.reward_model.megatron, lay, head="value",
+                                              tokens=log_prob_tokens, n_micro=1, train=False, device=device)
+    host = {}
+    in_loss = arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS
+    in_reward = c.algorithm.use_kl_in_reward and c.algorithm.kl_penalty in FULL_KL_KINDS
+    if in_loss or in_reward:
+        pbytes = DTYPE_BYTES[arr.actor.megatron.params_dtype] if device == "cuda" else 4
+        host["ref_hidden"], extra = full_kl_bytes(shape, c, lay, math.ceil(tokens["actor"] / lay.cp),
+                                                  device, pbytes)
+        actor = models["actor"]
+        actor["activations" if in_loss else "forward_activations"] += extra  # update | old pass
+        actor["total"] += extra if in_loss else 0
     capacity = gpu_mem_gib * GIB - (RESERVE_GIB * GIB if device == "cuda" else 0)
     rollout_share = arr.rollout.gpu_memory_utilization * gpu_mem_gib * GIB if device == "cuda" else 0.0
-    rollout_phase = rollout_share + sum(resident(n) for n in models)
-    free = capacity - max(training, rollout_phase)
     rollout = rollout_plan(c, world_size, shape, rollout_share, device)
+    bucket = arr.rollout.update_weights_bucket_megabytes * (1 << 20)
+    phases = phase_peaks(d.phases, models, rollout, rollout_share, bucket, log_prob_tokens, shape, lay)
+    peak_phase = max(phases, key=phases.get)
+    training = max(v for k, v in phases.items() if k not in ROLLOUT_PHASES)
+    rollout_phase = max(v for k, v in phases.items() if k in ROLLOUT_PHASES)
+    free = capacity - phases[peak_phase]
     if device == "cuda" and rollout["kv_cache_per_gpu"] <= 0:
         free = min(free, rollout["kv_cache_per_gpu"])  # the weights alone overflow SGLang's share
     return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib, rollout=rollout,
                 layout=dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                             dp=lay.dp, expert_dp=lay.expert_dp,
                             sequence_parallel=bool(arr.actor.megatron.sequence_parallel)),
-                models=models, training_peak=training, rollout_share=rollout_share,
+                models=models, phases=phases, peak_phase=peak_phase, schedule=d.phases.table(),
+                host=host,
+                total_params=counts.total, active_params=counts.active,
+                training_peak=training, rollout_share=rollout_share,
                 rollout_phase=rollout_phase, capacity=capacity, free=free, fits=free >= 0)
+
+
+def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_tokens, s: Shape, lay) -> dict:
+    """Bytes per GPU in each phase of the schedule (engine/config/phases.py), the one the trainer
+    executes: the states it keeps resident, the running model's activations (a forward pass:
+    one layer at a time plus the log-prob / value head; an update: what `model_memory`
+    counts), and the rollout's weights (/ R) or its whole share once the KV cache is back; the
+    sync adds one bucket of full tensors."""
+    out = {}
+    for phase in PHASES:
+        if phase in ("old_log_prob", "ref", "values", "critic_update", "reward") and \
+                RUNS[phase][0] not in models:
+            continue
+        total = 0.0
+        for name, mem in models.items():
+            total += sum(mem[STATE_KEYS[st]] for st in schedule.resident(phase, name))
+        runner, trains = RUNS.get(phase, (None, False))
+        if runner in models and phase != "sync":
+            mem = models[runner]
+            total += mem["activations"] if trains else mem["forward_activations"]
+        memory = schedule.rollout(phase)
+        if "kv_cache" in memory:
+            total += max(rollout_share, rollout["weights_per_gpu"])
+        elif "weights" in memory:
+            total += rollout["weights_per_gpu"]
+        if phase == "sync":
+            total += bucket
+        out[phase] = total
+    return out
 
 
 def total_params(s: Shape) -> int:
@@ -445,15 +515,16 @@ def _gib(x):
     return f"{x / GIB:8.2f} GiB"
 
 
-_BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "total", "training_peak", "rollout_share",
-              "rollout_phase", "capacity", "free", "weights_per_gpu", "kv_cache_per_gpu")
+_BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "forward_activations", "total",
+              "training_peak", "rollout_share", "rollout_phase", "capacity", "free", "weights_per_gpu",
+              "kv_cache_per_gpu", "phases", "ref_hidden")
 
 
-def _in_gib(value, key=None):
-    """The estimate as JSON: byte figures in GiB (the keys in _BYTE_KEYS)."""
+def _in_gib(value, key=None, parent=None):
+    """The estimate as JSON: byte figures in GiB (the keys in _BYTE_KEYS, and every phase)."""
     if isinstance(value, dict):
-        return {k: _in_gib(v, k) for k, v in value.items()}
-    if key in _BYTE_KEYS:
+        return {k: _in_gib(v, k, key) for k, v in value.items()}
+    if key in _BYTE_KEYS or parent == "phases":
         return round(value / GIB, 4)
     return value
 
@@ -472,10 +543,19 @@ def _report(e):
     lines.append(f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
                  f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: "
                  f"weights {_gib(r['weights_per_gpu'])}  KV cache {_gib(r['kv_cache_per_gpu'])}")
-    lines += [f"  training peak  {_gib(e['training_peak'])}",
-              f"  rollout share  {_gib(e['rollout_share'])}  + resident training state = "
-              f"{_gib(e['rollout_phase'])}",
-              f"  capacity       {_gib(e['capacity'])}  free {_gib(e['free'])}  -> "
+    lines.append(f"  model: {e['total_params'] / 1e9:.2f} B parameters, {e['active_params'] / 1e9:.2f} B "
+                 f"active per token")
+    lines.append("  per phase (GiB per GPU; what is resident: engine/config/phases.py):")
+    for phase, value in e["phases"].items():
+        held = ", ".join(f"{m} {'+'.join(states) or '-'}" for m, states in e["schedule"][phase].items()
+                         if m != "rollout")
+        rollout = "+".join(e["schedule"][phase]["rollout"]) or "-"
+        mark = "  <- peak" if phase == e["peak_phase"] else ""
+        lines.append(f"    {phase:13s} {value / GIB:8.2f}   [{held}; rollout {rollout}]{mark}")
+    if e["host"]:
+        lines.append(f"  host memory per last-stage rank: reference hidden states + weight shard "
+                     f"(exact KL) {_gib(e['host']['ref_hidden'])}")
+    lines += [f"  capacity       {_gib(e['capacity'])}  free {_gib(e['free'])}  -> "
               f"{'fits' if e['fits'] else 'DOES NOT FIT'}"]
     return "\n".join(lines)
 

@@ -3,11 +3,19 @@
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k/train.parquet
     python tools/prepare_data.py --builtin arith --out-dir data/arith [--difficulty 0]
     python tools/prepare_data.py --reasoning-gym basic_arithmetic --out-dir data/rg_arith
+    python tools/prepare_data.py --pairs --builtin arith --out-dir data/arith_pairs
+    python tools/prepare_data.py --pairs --input pairs.jsonl --output data/pairs.parquet
 
 GSM8K-style JSONL has one {"question": ..., "answer": "... #### 42"} per line. Each row becomes a
 chat prompt with the step-by-step instruction, reward_model.ground_truth = the number after
 "####", data_source "openai/gsm8k". `--builtin` writes train/val parquet of a task from
 engine/tasks.py and saves its tokenizer under OUT_DIR/tokenizer.
+
+`--pairs` writes preference pairs (trainer.task reward_model / dpo) instead: from `--builtin
+arith` (chosen = the correct answer, rejected = a wrong one) or from a JSONL of {"prompt",
+"chosen", "rejected", ...} records (text or chat messages; other fields such as a margin are
+kept). Empty and identical pairs are dropped and counted; over-long ones are the loader's
+business (data.truncation), as it knows the tokenizer and the length limits.
 """
 import argparse
 import json
@@ -61,6 +69,24 @@ def write_builtin(name, out_dir, n_train, n_val, seed, difficulty):
     tasks.save_tokenizer(os.path.join(out_dir, "tokenizer"))
 
 
+def write_pairs(args, parser):
+    from engine.offline.data import arith_pairs, jsonl_pairs, write_preference_parquet
+    if args.builtin:
+        if args.builtin != "arith" or not args.out_dir:
+            parser.error("--pairs --builtin supports arith, with --out-dir")
+        for split, n in (("train", args.n_train), ("val", args.n_val)):
+            write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split),
+                                     os.path.join(args.out_dir, f"{split}.parquet"))
+        tasks.save_tokenizer(os.path.join(args.out_dir, "tokenizer"))
+        print(f"wrote {args.n_train} train / {args.n_val} val arith pairs to {args.out_dir}")
+    elif args.input and args.output:
+        rows, dropped = jsonl_pairs(args.input)
+        write_preference_parquet(rows, args.output)
+        print(f"wrote {len(rows)} pairs to {args.output}; dropped {json.dumps(dropped)}")
+    else:
+        parser.error("--pairs needs --builtin arith --out-dir DIR, or --input X.jsonl --output Y.parquet")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="GSM8K-style JSONL file")
@@ -76,7 +102,14 @@ def main(argv=None):
                         help="write a reasoning-gym task (e.g. basic_arithmetic) to --out-dir")
     parser.add_argument("--task-kwargs", default="{}",
                         help="JSON of the reasoning-gym generator's settings")
+    parser.add_argument("--pairs", action="store_true",
+                        help="write preference pairs (reward model / DPO data)")
     args = parser.parse_args(argv)
+    if args.pairs:
+        try:
+            return write_pairs(args, parser)
+        except ValueError as e:  # bad input: one line, not a traceback
+            parser.exit(2, f"error: {e}\n")
     if args.reasoning_gym:
         if not args.out_dir:
             parser.error("--reasoning-gym needs --out-dir")

@@ -10,11 +10,20 @@ Controllers set the KL coefficient beta (`algorithm.kl_ctrl`, used with
 
 Both expose `.value`, `update(current_kl, n_steps)`, `state_dict()` / `load_state_dict()`
 (saved with the checkpoint so a resumed run continues with the same beta).
-"""
-from kernels.kl import KL_KINDS, kl_penalty, linear_full_kl
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FixedKLController",
-           "AdaptiveKLController", "make_kl_controller"]
+`KLGuard` (`algorithm.kl_guard`) automates the users' runbook on whichever KL coefficient the
+run uses (the KL loss's, else the in-reward controller's): KL above `kl_ceiling` raises it by
+`raise_factor`, entropy below `entropy_floor` lowers it by `lower_factor`, and a warning goes
+out when it leaves `warn_range`. Its coefficient is trainer state, saved and restored.
+"""
+import logging
+
+from kernels.kl import FULL_KL_KINDS, KL_KINDS, kl_penalty, linear_full_kl
+
+log = logging.getLogger(__name__)
+
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FULL_KL_KINDS", "FixedKLController",
+           "AdaptiveKLController", "make_kl_controller", "KLGuard"]
 
 ADAPTIVE_CLIP = 0.2
 
@@ -73,3 +82,30 @@ def make_kl_controller(kl_ctrl_cfg):
         return AdaptiveKLController(kl_ctrl_cfg.kl_coef, kl_ctrl_cfg.target_kl,
                                     kl_ctrl_cfg.horizon)
     raise ValueError(f"algorithm.kl_ctrl.type={kind!r} must be 'fixed' or 'adaptive'")
+
+
+class KLGuard:
+    """The runbook rules on a KL coefficient (see the module docstring)."""
+
+    def __init__(self, cfg, coef):
+        self.cfg, self.coef = cfg, float(coef)
+
+    def update(self, kl, entropy):
+        action = 0
+        if kl is not None and kl > self.cfg.kl_ceiling:
+            self.coef *= self.cfg.raise_factor
+            action = 1
+        elif entropy is not None and entropy < self.cfg.entropy_floor:
+            self.coef *= self.cfg.lower_factor
+            action = -1
+        low, high = self.cfg.warn_range
+        if action and not low <= self.coef <= high:
+            log.warning("kl_guard: the KL coefficient is now %.3g, outside algorithm.kl_guard.warn_range "
+                        "[%g, %g] (KL %s, entropy %s): check the run", self.coef, low, high, kl, entropy)
+        return {"kl_guard/kl_coef": self.coef, "kl_guard/action": action}
+
+    def state_dict(self):
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state):
+        self.coef = float(state["coef"])

@@ -42,7 +42,7 @@ def te_available():
 
 
 # ------------------------------------------------------------------------------------------
-# Megatron's kernel fusions. Recipe key (proposed; the lead wires it from engine/config.py):
+# Megatron's kernel fusions. Recipe key (each model's megatron section):
 #     actor_rollout_ref.actor.megatron.fusions: {gradient_accumulation_fusion: false, ...}
 # A name absent (or null) is decided by what is installed; true asks for it and fails with a
 # message when it cannot run here; false turns it off.
@@ -150,6 +150,17 @@ class TridentGPTModel(GPTModel):
             self.value_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False,
                                               dtype=self.config.params_dtype)
             torch.nn.init.normal_(self.value_head.weight, std=self.config.init_method_std)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        if self.head == "value" and self.post_process:
+            # Megatron's LanguageModule marks the last stage's output layer for checkpoints; a
+            # value head has none (KeyError). Off for the call: nothing else here reads it.
+            self.post_process = False
+            try:
+                return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self.post_process = True
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def output_weight(self):
         """This rank's vocab shard of the output projection (tied or not)."""

@@ -135,10 +135,14 @@ class CPURollout(RolloutEngine):
     """
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), pad_token_id: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, record_routing: bool = False):
+                 dtype: torch.dtype = torch.float32, record_routing: bool = False, max_num_seqs: int = 1 << 30,
+                 device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.dtype = dtype
+        if max_num_seqs < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.max_num_seqs={max_num_seqs}: must be >= 1 "
+                             f"(sequences decoded at once)")
+        self.dtype, self.device, self.max_num_seqs = dtype, torch.device(device), max_num_seqs
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         # any valid id works: pads are masked out of attention and never returned
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else
@@ -146,6 +150,11 @@ class CPURollout(RolloutEngine):
         with _parameters_on_meta():
             self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         self.model.eval().requires_grad_(False)
+        if self.device.type != "cpu":  # buffers (RoPE frequencies) were built on the CPU
+            for module in self.model.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(self.device)
 
         # every (module, attribute) holding each parameter; tied weights share one entry
         self._owners: dict[str, list[tuple[nn.Module, str]]] = {}
@@ -225,7 +234,7 @@ class CPURollout(RolloutEngine):
 
     def resume_memory(self, tags=None) -> None:
         if not self._allocated and (tags is None or "weights" in tags):
-            self._set_storage("cpu")
+            self._set_storage(self.device)
             self._allocated = True
 
     # ----------------------------------------------------------------- routing
@@ -280,9 +289,25 @@ class CPURollout(RolloutEngine):
             scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
         return scaled
 
-    @torch.no_grad()
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+        """Decodes at most `max_num_seqs` sequences at once (prompts x n); each row's sampling
+        depends only on its prompt's key, so the split does not change the responses."""
+        keys = list(range(len(prompt_ids))) if keys is None else list(keys)
+        per = max(1, self.max_num_seqs // sampling.n)
+        if len(prompt_ids) <= per:
+            return self._generate(prompt_ids, sampling, keys)
+        parts = [self._generate(prompt_ids[i:i + per], sampling, keys[i:i + per])
+                 for i in range(0, len(prompt_ids), per)]
+        return RolloutOutput(
+            prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
+            responses=[r for p in parts for r in p.responses], log_probs=[x for p in parts for x in p.log_probs],
+            finish_reasons=[f for p in parts for f in p.finish_reasons],
+            routed_experts=None if parts[0].routed_experts is None else
+            [x for p in parts for x in p.routed_experts])
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids, sampling: SamplingParams, keys) -> RolloutOutput:
         if not self._weights_ready:
             raise RuntimeError("CPURollout.generate: no weights loaded; call update_weights(...) for every "
                                "bucket and then finish_weight_update() (again after each resume_memory())")
@@ -298,16 +323,17 @@ class CPURollout(RolloutEngine):
             input_ids[r, width - len(p):] = torch.tensor(p)
             attention_mask[r, width - len(p):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        dev = self.device
+        input_ids, attention_mask, position_ids = input_ids.to(dev), attention_mask.to(dev), position_ids.to(dev)
 
-        uniforms = None if sampling.greedy else _row_uniforms(
-            sampling, list(range(len(prompt_ids))) if keys is None else list(keys))
+        uniforms = None if sampling.greedy else _row_uniforms(sampling, keys).to(dev)
         stop = set() if sampling.ignore_eos else set(self.eos_token_ids) | set(sampling.stop_token_ids)
-        stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
+        stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         temperature = 1.0 if sampling.greedy else sampling.temperature
 
         responses = [[] for _ in range(rows)]
         log_probs = [[] for _ in range(rows)]
-        finished = torch.zeros(rows, dtype=torch.bool)
+        finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
         cache = _preallocated_cache(self.model.config, width + sampling.max_new_tokens)
@@ -335,7 +361,7 @@ class CPURollout(RolloutEngine):
                 finished |= torch.isin(tokens, stop_ids)
                 if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                     break
-                attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
                 position_ids = position_ids[:, -1:] + 1
                 logits = self._forward(tokens[:, None], attention_mask, position_ids, cache)
                 if record:
@@ -346,9 +372,24 @@ class CPURollout(RolloutEngine):
         finish = [FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
         routed = None
         if self.record_routing:
-            every_position = torch.cat(routing_steps, dim=1)  # [rows, width + steps, layers, top_k]
+            every_position = torch.cat(routing_steps, dim=1).cpu()  # [rows, width + steps, layers, top_k]
             routed = [every_position[r, width - int(prompt_lens[r]): width + len(responses[r]) - 1].clone()
                       for r in range(rows)]
         return RolloutOutput(prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
                              responses=responses, log_probs=log_probs, finish_reasons=finish,
                              routed_experts=routed)
+
+
+@register_rollout("hf")
+class HFRollout(CPURollout):
+    """The CPU backend's transformers model and decoding on this rank's GPU (bf16 by default):
+    a rollout for GPU machines without SGLang (e.g. `make gpu-check` on a bare machine). Same
+    interface and grouping; no paged KV cache or CUDA graphs, so it is for checks, not speed."""
+
+    NEEDS_CUDA = True
+
+    def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), pad_token_id: Optional[int] = None,
+                 dtype: torch.dtype = torch.bfloat16, record_routing: bool = False, max_num_seqs: int = 1 << 30):
+        super().__init__(hf_config, eos_token_ids, pad_token_id, dtype=dtype, record_routing=record_routing,
+                         max_num_seqs=max_num_seqs,
+                         device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda")

@@ -214,11 +214,18 @@ class SGLangRollout(RolloutEngine):
                              routed_experts=[p[3] for p in parsed] if self.record_routing else None)
 
     # -- memory ----------------------------------------------------------------------------
+    @staticmethod
+    def _tags(tags):
+        # CUDA graphs are captured against the KV cache: they leave and return with it
+        if tags is None:
+            return None
+        return list(tags) + (["cuda_graph"] if "kv_cache" in tags else [])
+
     def release_memory(self, tags=None) -> None:
-        self.engine.release_memory_occupation(tags=None if tags is None else list(tags))
+        self.engine.release_memory_occupation(tags=self._tags(tags))
 
     def resume_memory(self, tags=None) -> None:
-        self.engine.resume_memory_occupation(tags=None if tags is None else list(tags))
+        self.engine.resume_memory_occupation(tags=self._tags(tags))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,0 +1,79 @@
+"""The colocated memory schedule: for every phase of a PPO step, which state of which model is
+on the device, and which part of the rollout engine's memory. One object, derived once from the
+config; the trainer executes it (engine/hybrid.py) and tools/plan.py computes each phase's peak
+from it, so the plan describes the schedule that runs.
+
+A model keeps on the device, in every phase, whatever its `megatron.*_offload` switches leave
+there; what they offload comes back only for the phases that use it: the parameters for the
+model's forward passes, parameters + gradients + optimizer state for its update. The actor's
+parameters are on the device while its weights are sent to the rollout.
+
+The sync into a colocated rollout engine runs in this order (`SYNC_ORDER`): the training
+gradients and optimizer state go first, then the rollout takes its weights memory back, the
+weights are sent, the actor's parameters go (when `param_offload`), and only then does the
+rollout take its KV cache back. After generation it gives both back (unless
+`rollout.free_cache_engine=false`, which keeps them through training).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = ("sync", "generate", "reward", "old_log_prob", "ref", "values", "critic_update",
+          "actor_update", "validate", "checkpoint")
+STATES = ("params", "grads", "optimizer")
+ROLLOUT_MEMORY = ("weights", "kv_cache")
+# the model that runs in a phase, and whether it trains there
+RUNS = {"sync": ("actor", False), "reward": ("reward_model", False), "old_log_prob": ("actor", False),
+        "ref": ("ref", False), "values": ("critic", False), "critic_update": ("critic", True),
+        "actor_update": ("actor", True)}
+ROLLOUT_PHASES = ("sync", "generate", "validate")
+SAVED = ("actor", "critic")  # what a checkpoint holds: every state of these is read while saving
+SYNC_ORDER = ("offload training grads and optimizer state", "resume rollout weights", "send weights",
+              "offload actor params (param_offload)", "resume rollout KV cache")
+
+
+@dataclass(frozen=True)
+class PhaseSchedule:
+    models: dict        # model -> the states it has ('params' only for frozen models)
+    offloaded: dict     # model -> the states its config offloads while no phase needs them
+    keep_rollout: bool  # rollout.free_cache_engine=false: the rollout never gives memory back
+
+    def resident(self, phase: str, model: str) -> frozenset:
+        """States of `model` on the device during `phase`."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases are {PHASES}")
+        has = frozenset(self.models[model])
+        keep = has - self.offloaded[model]
+        runner, trains = RUNS.get(phase, (None, False))
+        if runner == model or (phase == "checkpoint" and model in SAVED):
+            keep |= has if trains or phase == "checkpoint" else {"params"}
+        return keep
+
+    def rollout(self, phase: str) -> frozenset:
+        """Rollout memory on the device during `phase` (the sync ends with both)."""
+        if self.keep_rollout or phase in ("generate", "validate"):
+            return frozenset(ROLLOUT_MEMORY)
+        return frozenset({"weights"}) if phase == "sync" else frozenset()
+
+    def table(self) -> dict:
+        """{phase: {model: [states]}, 'rollout': [...]} for printing and JSON."""
+        return {p: dict({m: sorted(self.resident(p, m)) for m in self.models},
+                        rollout=sorted(self.rollout(p))) for p in PHASES}
+
+
+def phase_schedule(cfg, use_critic: bool, use_reference: bool) -> PhaseSchedule:
+    """The schedule of a resolved config (`Derived.config`)."""
+    arr = cfg.actor_rollout_ref
+    sections = {"actor": (arr.actor.megatron, STATES)}
+    if use_critic:
+        sections["critic"] = (cfg.critic.megatron, STATES)
+    if use_reference:
+        sections["ref"] = (arr.ref.megatron, ("params",))
+    if cfg.reward_model.enable:
+        sections["reward_model"] = (cfg.reward_model.megatron, ("params",))
+    models, offloaded = {}, {}
+    for name, (m, states) in sections.items():
+        switches = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
+        models[name] = tuple(states)
+        offloaded[name] = frozenset(s for s in states if switches[s])
+    return PhaseSchedule(models, offloaded, keep_rollout=not arr.rollout.free_cache_engine)
