@@ -299,10 +299,11 @@ def _set_rope_frequencies(model, arch: ArchSpec):
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 config_overrides: Optional[dict] = None,
-                fusions: Optional[dict] = None, unfuse_norms: bool = False) -> List[TridentGPTModel]:
+                fusions: Optional[dict] = None, lora=None) -> List[TridentGPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for the HF config given.
-    `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`); `unfuse_norms`: see
-    `decoder_block_spec` (a LoRA actor)."""
+    `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`); `lora`: a
+    engine.models.lora.LoraSpec whose adapters are attached, every other parameter frozen (so
+    Megatron's DDP and optimizer, built on these chunks afterwards, hold the adapters only)."""
     arch = arch_spec(hf_config)
     config = transformer_config(arch, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel,
@@ -322,7 +323,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        block = decoder_block_spec(config, use_te=use_te, vp_stage=stage, unfuse_norms=unfuse_norms)
+        block = decoder_block_spec(config, use_te=use_te, vp_stage=stage, unfuse_norms=lora is not None)
         model = TridentGPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -340,4 +341,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
             _set_rope_frequencies(model, arch)
         model.arch = arch
         chunks.append(model)
+    if lora is not None:
+        from engine.models.lora import add_adapters
+        add_adapters(chunks, lora, hf_config)
     return chunks

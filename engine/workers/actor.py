@@ -127,10 +127,12 @@ class ActorWorker(LogProbModel):
     def __init__(self, hf_config, actor_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
         from engine.models.lora import LoraSpec
+        # LoRA: only the adapters train, checkpoints hold them (engine/checkpoint_state.py)
+        self.lora = LoraSpec.from_config(model_cfg, seed=actor_cfg.megatron.seed)
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,
                          pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay,
-                         lora=LoraSpec.from_config(model_cfg, seed=actor_cfg.megatron.seed))
+                         lora=self.lora)
         self.cfg = actor_cfg
         self.response_length = response_length
         self.kl_coef = actor_cfg.kl_loss_coef  # update_policy's kl_coef replaces it (trainer state)

@@ -207,15 +207,10 @@ class MegatronWorker:
                 recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
         self.router_replay = router_replay
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
-        self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
+        self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype, lora=lora,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
-                                  config_overrides=overrides, fusions=megatron_cfg.fusions,
-                                  unfuse_norms=lora is not None, **recompute)
+                                  config_overrides=overrides, fusions=megatron_cfg.fusions, **recompute)
         self.config = self.chunks[0].config
-        self.lora = lora  # engine.models.lora.LoraSpec: adapters only are trained and saved
-        if lora is not None:  # before DDP and the optimizer, which then see the adapters only
-            from engine.models.lora import add_adapters
-            add_adapters(self.chunks, lora, hf_config)
         self.optimizer = self.scheduler = None
         self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
         if optim_cfg is not None:
