@@ -116,7 +116,7 @@ def _train_once(adapters: bool):
     """One update of the recipe's tiny model; what moved, what the optimizer holds."""
     import transformers
 
-    from engine.checkpoint import _torch_optimizers
+    from engine.checkpoint_state import _torch_optimizers
     from engine.config import load_config
     from engine.models.lora import is_adapter_name
     from engine.workers.actor import ActorWorker
