@@ -198,6 +198,8 @@ class RankActor:
         finally:
             os._exit = real_exit
             self.capture.stop()
+        if result["left"] and self.capture.lines:  # engine.train's one line on what failed
+            result["error"] = self.capture.lines[-1].strip()[:600]
         result["phase"] = current_phase()
         return result
 

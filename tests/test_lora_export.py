@@ -33,7 +33,10 @@ def _tool(*args):
 def test_two_step_lora_run_under_torchrun(tmp_path):
     from megatron.core import dist_checkpointing
 
+    # param_offload: the reference phase (the actor with adapters off) brings the actor's
+    # parameters back although the schedule offloads them there
     extra = [*LORA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+             "actor_rollout_ref.actor.megatron.param_offload=true",
              "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true"]
     _, records = _run(tmp_path, "lora", extra, steps=2)
     assert [r["step"] for r in records] == [1, 2]
