@@ -54,7 +54,7 @@ from engine.checkpoint_files import world as _world
 from engine.checkpoint_state import (_adam_step, _check_finite, _check_model_matches, _create_optimizer_state,
                                      _has_optimizer_state, _layout, _lora_of, _model_keys,
                                      _model_sharded_state_dict, _optim_metadata, _restore_adam_steps,
-                                     rng_state, set_rng_state)
+                                     reseed_rng, rng_state, set_rng_state)
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonFiniteError", "verify_manifest",
            "write_manifest"]
@@ -296,11 +296,15 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------------
     def load(self, path: str, workers: Dict[str, object], *, load_optimizer: bool = True,
-             verify=None) -> dict:
+             verify=None, rng_seed: Optional[int] = None) -> dict:
         """Restore `workers` (models, optimizers, schedulers) and this rank's RNG from `path`;
         return the trainer state. Collective over all ranks. `path` is verified first (verify:
         None = the manager's level, "checksum", "size"; True / False = checksum / size) unless
-        resolve() just verified it."""
+        resolve() just verified it.
+
+        RNG: every rank restores its own saved state (rng/rank_{r}.pt). A checkpoint saved on
+        another number of ranks has no state for this layout: a warning, and with `rng_seed`
+        every rank reseeds from (rng_seed, rank, step) (`reseed_rng`)."""
         from megatron.core import dist_checkpointing
 
         path = os.path.abspath(path)
@@ -368,8 +372,12 @@ class CheckpointManager:
         if meta["layout"]["world_size"] == _world() and os.path.exists(rng_file):
             set_rng_state(load_safe(rng_file))
         else:
-            logger.warning("checkpoint %s was saved on %s ranks, this run has %s: RNG states are "
-                           "not restored", path, meta["layout"]["world_size"], _world())
+            then = "reseeded from (seed, rank, step)" if rng_seed is not None else "left as they are"
+            logger.warning("checkpoint %s was saved on %s ranks, this run has %s: the saved RNG "
+                           "states do not apply; every rank's RNG is %s", path,
+                           meta["layout"]["world_size"], _world(), then)
+            if rng_seed is not None:
+                reseed_rng(rng_seed, self.rank, int(meta["step"]))
         trainer_state = load_safe(os.path.join(path, TRAINER_STATE_FILE))
         _barrier()
         return trainer_state

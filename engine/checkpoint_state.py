@@ -1,6 +1,7 @@
 """What of a worker (model, optimizer, scheduler) and of a rank (RNG) a checkpoint holds, and
 the checks on them: finite values before saving, the model's shape before loading, the
 optimizer state Megatron needs created before it can load into it (engine/checkpoint.py)."""
+import hashlib
 import logging
 import random
 
@@ -64,6 +65,17 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def reseed_rng(seed: int, rank: int, step: int):
+    """Seed python / numpy / torch (CPU and every CUDA device) from (seed, rank, step): where no
+    saved state fits (another world size), a deterministic start of its own per rank, never
+    rank 0's state copied."""
+    digest = hashlib.sha256(f"trident-rng/{seed}/{rank}/{step}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1
+    random.seed(value)
+    np.random.seed(value % (2 ** 32))
+    torch.manual_seed(value)
 
 
 def set_rng_state(state: dict):

@@ -77,6 +77,7 @@ class _Solo:
 
 
 def as_group(rollout):
+    """A rollout group (or None: the rollout lives on other ranks, a separate pool)."""
     return _Solo(rollout) if isinstance(rollout, RolloutEngine) else rollout
 
 
@@ -149,7 +150,16 @@ class HybridEngine:
             return set(self.schedule.rollout(phase))
         return {"weights"} if phase == "sync" else set(ROLLOUT_MEMORY) if phase == "generate" else set()
 
+    def plan(self):
+        """The reshard plan (built on first use: collective); a lora.MergePlan for a LoRA actor
+        (which validation keeps off the separate pool)."""
+        if self._plan is None:
+            self._plan = sync_plan(self.chunks)
+        return self._plan
+
     def _rollout_to(self, wanted):
+        if self.rollout is None:  # a separate pool: nothing of the rollout on these devices
+            return
         gone = self.rollout_memory - wanted
         if gone:
             self.rollout.release_memory(sorted(gone))
@@ -178,8 +188,7 @@ class HybridEngine:
 
     def sync(self) -> SyncStats:
         """Collective: the colocated sync (phases.SYNC_ORDER); ends ready to generate."""
-        if self._plan is None:
-            self._plan = sync_plan(self.chunks)
+        self.plan()
         if self.workers:
             self._models_to("sync")  # training grads and optimizer state leave first
         self._rollout_to(self._rollout_wanted("sync"))  # the rollout's weights memory

@@ -28,6 +28,7 @@ class Components:
     peak_flops: Optional[float]
     reward_model: Optional[Any] = None
     watch: Optional[Any] = None  # engine.guards.CollectiveWatch
+    bridge: Optional[Any] = None  # engine.rollout.pool.Bridge to a separate rollout pool
 
 
 def load_hf_config(model_cfg, vocab_size=None):
@@ -92,7 +93,7 @@ def copy_weights(src_chunks, dst_chunks):
                 p.copy_(src[s.global_name])
 
 
-def build(cfg, world_size, watch=None) -> Components:
+def build(cfg, world_size, watch=None, bridge=None) -> Components:
     """Every component of a run, on this rank, from a validated config."""
     from engine.config import derive
     from engine.perf import peak_flops_per_rank
@@ -142,7 +143,8 @@ def build(cfg, world_size, watch=None) -> Components:
             worker.optimizer.reload_model_params()
     if derived.use_reference and actor.lora is not None:
         ref = actor.base_reference()
-    rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
+    separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
+    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
     custom = None
@@ -168,10 +170,10 @@ def build(cfg, world_size, watch=None) -> Components:
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model, watch)
+                               train_data, val_data, checkpoints, peak, reward_model, watch, bridge)
 
 
-def build_rollout(cfg, topology, hf_config, tokenizer):
+def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None):
     """This rank's part of the rollout groups; the ranks the topology names build the engine."""
     from megatron.core import parallel_state as ps
 
@@ -184,7 +186,8 @@ def build_rollout(cfg, topology, hf_config, tokenizer):
 
     def engine(placement):
         return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement))
-    return GroupedRollout(topology, backend_class(r.name), engine, dp_rank=ps.get_data_parallel_rank())
+    return GroupedRollout(topology, backend_class(r.name), engine,
+                          dp_rank=ps.get_data_parallel_rank() if dp_rank is None else dp_rank)
 
 
 def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
@@ -214,6 +217,21 @@ def _config_dir(hf_config, tokenizer):
     return path
 
 
+def serve_pool(cfg, bridge, n_train):
+    """A separate pool's rank: its part of the rollout groups, serving the trainers' requests."""
+    from engine.config import derive
+    from engine.rollout.pool import serve
+    from engine.trainer import Trainer
+    tokenizer = load_tokenizer(cfg)
+    derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
+    hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
+    group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
+    try:
+        serve(bridge, group, n_train, generate=Trainer._engine_generate)
+    finally:
+        group.shutdown()
+
+
 def main(argv=None):
     from engine.config import load_config
     from engine.phase import set_phase
@@ -230,15 +248,26 @@ def main(argv=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
     from engine.guards import CollectiveWatch, is_collective_failure
     watch = CollectiveWatch().install()
-    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    components, bridge, serving = None, None, False
+    if cfg.trainer.rollout_pool == "separate":  # two worlds: trainers, pool (engine/rollout/pool.py)
+        from engine.rollout.pool import Bridge, pool_ranks
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        train, pool = pool_ranks(world, cfg.trainer.rollout_pool_ranks)
+        bridge = Bridge(rank, world, cfg.trainer.collective_timeout_s)
+        serving = rank in pool
+        init_distributed(cfg.trainer.collective_timeout_s, ranks=pool if serving else train,
+                         name="pool" if serving else "train")
+    else:
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + dist.get_rank())
-    components = None
     try:
-        if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+        if serving:
+            serve_pool(cfg, bridge, len(train))
+        elif cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
             from engine.offline.build import build_offline
             build_offline(cfg, dist.get_world_size()).fit()
         else:
-            derived, components = build(cfg, dist.get_world_size(), watch=watch)
+            derived, components = build(cfg, dist.get_world_size(), watch=watch, bridge=bridge)
             trainer = Trainer(derived, components)
             set_phase("training")
             trainer.fit()
@@ -251,7 +280,8 @@ def main(argv=None):
         os._exit(1)
     finally:
         if components is not None:
-            components.rollout.shutdown()
+            if components.rollout is not None:
+                components.rollout.shutdown()
             components.reward_fn.close()
     set_phase("shutdown")
     dist.barrier()

@@ -366,6 +366,11 @@ class TrainerConfig:
     max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
     rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
     collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
+    # colocated: every rank trains and generates (hybrid engine); separate: the last
+    # rollout_pool_ranks ranks only generate (engine/rollout/pool.py)
+    rollout_pool: Literal["colocated", "separate"] = "colocated"
+    rollout_pool_ranks: int = 0
+    off_policy_steps: int = 0  # 1: step t+1 generates while step t trains (separate pool)
     # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
     # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
     task: Task = "ppo"

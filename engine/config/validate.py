@@ -223,6 +223,10 @@ def _validate_lora(cfg: TridentConfig) -> None:
         raise ConfigError(str(e)) from None
     if arr.model.lora_rank > 0:
         _check(arr.model, p, "lora_alpha", gt=0.0)
+        if cfg.trainer.rollout_pool == "separate":
+            _fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
+                  "rollout receives merged weights, which only the colocated hand-off sends so far; "
+                  "set trainer.rollout_pool=colocated (or lora_rank=0)")
         if arr.ref.megatron.param_offload:
             _fail("actor_rollout_ref.ref.megatron.param_offload", True,
                   f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "
@@ -301,6 +305,18 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     _check(t, p, "max_nonfinite_skips", ge=1)
     _check(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
     _check(t, p, "collective_timeout_s", ge=1)
+    launched = t.nnodes * t.n_gpus_per_node
+    if t.rollout_pool == "separate" and not 1 <= t.rollout_pool_ranks < launched:
+        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, f"a separate pool needs between 1 and "
+              f"{launched - 1} of the {launched} ranks (the rest train); e.g. {launched // 2}")
+    if t.rollout_pool == "colocated" and t.rollout_pool_ranks:
+        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, "only read with trainer.rollout_pool=separate; "
+              "set it to 0 or set rollout_pool=separate")
+    if t.off_policy_steps not in (0, 1):
+        _fail("trainer.off_policy_steps", t.off_policy_steps, "use 0 (on-policy) or 1 (one-step off-policy)")
+    if t.off_policy_steps and t.rollout_pool != "separate":
+        _fail("trainer.off_policy_steps", t.off_policy_steps, "overlapping generation with training needs "
+              "other ranks to generate: set trainer.rollout_pool=separate and rollout_pool_ranks")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
@@ -459,8 +475,11 @@ def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[in
 
 
 def rollout_topology_of(cfg: TridentConfig, world_size: int, num_attention_heads: Optional[int] = None):
-    """The rollout groups of `cfg` at `world_size` ranks (engine/rollout/topology.py)."""
+    """The rollout groups of `cfg` at `world_size` training ranks (engine/rollout/topology.py):
+    over those ranks when colocated, over the pool's ranks when separate."""
     from engine.rollout.topology import TopologyError, rollout_topology
+    if cfg.trainer.rollout_pool == "separate":
+        world_size = cfg.trainer.rollout_pool_ranks
     try:
         return rollout_topology(world_size, cfg.trainer.n_gpus_per_node,
                                 cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,
