@@ -97,6 +97,7 @@ class _Capture:
         self.lines = collections.deque()
         self.cond = threading.Condition()
         self.saved = None
+        self.last = ""  # the last non-empty line, whether or not the driver has taken it
 
     def start(self):
         sys.stdout.flush()
@@ -124,8 +125,10 @@ class _Capture:
 
     def _add(self, raw):
         if raw:
+            text = [r.decode(errors="replace") for r in raw]
             with self.cond:
-                self.lines.extend(r.decode(errors="replace") for r in raw)
+                self.lines.extend(text)
+                self.last = next((t for t in reversed(text) if t.strip()), self.last)
                 self.cond.notify_all()
 
     def stop(self):
@@ -198,8 +201,8 @@ class RankActor:
         finally:
             os._exit = real_exit
             self.capture.stop()
-        if result["left"] and self.capture.lines:  # engine.train's one line on what failed
-            result["error"] = self.capture.lines[-1].strip()[:600]
+        if result["left"] and self.capture.last:  # engine.train's one line on what failed
+            result["error"] = self.capture.last.strip()[:600]
         result["phase"] = current_phase()
         return result
 
