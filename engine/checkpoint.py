@@ -52,9 +52,9 @@ from engine.checkpoint_files import barrier as _barrier
 from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
 from engine.checkpoint_files import world as _world
 from engine.checkpoint_state import (_adam_step, _check_finite, _check_model_matches, _create_optimizer_state,
-                                     _has_optimizer_state, _layout, _model_keys, _model_sharded_state_dict,
-                                     _optim_metadata, _restore_adam_steps, reseed_rng, rng_state,
-                                     set_rng_state)
+                                     _has_optimizer_state, _layout, _lora_of, _model_keys,
+                                     _model_sharded_state_dict, _optim_metadata, _restore_adam_steps,
+                                     reseed_rng, rng_state, set_rng_state)
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonFiniteError", "verify_manifest",
            "write_manifest"]
@@ -245,7 +245,8 @@ class CheckpointManager:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=with_scheduler,
-                               chunks=len(worker.models), adam_step=_adam_step(worker))
+                               chunks=len(worker.models), adam_step=_adam_step(worker),
+                               lora=_lora_of(worker))
         if with_extra:
             save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
                       f"the RNG state of rank {self.rank}")
@@ -337,8 +338,13 @@ class CheckpointManager:
             if name not in meta["workers"]:
                 raise CheckpointError(f"checkpoint {path!r} has no worker {name!r} (it has "
                                       f"{sorted(meta['workers'])})")
-            _check_model_matches(name, worker, directory)
             info = meta["workers"][name]
+            if info.get("lora") != _lora_of(worker):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: worker {name!r} was saved with LoRA {info.get('lora')}, "
+                    f"this run has {_lora_of(worker)}; set actor_rollout_ref.model.lora_rank / "
+                    "lora_alpha / target_modules as in that run, or start without resuming")
+            _check_model_matches(name, worker, directory)
             state = _model_sharded_state_dict(worker)
             with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
             if with_optim:
@@ -347,7 +353,11 @@ class CheckpointManager:
                     dict(state), is_loading=True, metadata=_optim_metadata(meta["optim_sharding"]))
             loaded = dist_checkpointing.load(state, directory)
             for key, model in zip(_model_keys(worker), worker.models):
-                model.load_state_dict(loaded[key], strict=True)
+                if _lora_of(worker) is None:
+                    model.load_state_dict(loaded[key], strict=True)
+                else:
+                    from engine.models.lora import load_adapter_state
+                    load_adapter_state(model, loaded[key])
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])

@@ -97,7 +97,18 @@ def _model_keys(worker):
 
 
 def _model_sharded_state_dict(worker) -> dict:
-    return {key: m.sharded_state_dict() for key, m in zip(_model_keys(worker), worker.models)}
+    """A LoRA worker's model part is its adapters only: the base comes from model.path (or the
+    seeded initialisation of an inline-config model) and is frozen."""
+    from engine.models.lora import adapter_only
+    lora = getattr(worker, "lora", None) is not None
+    return {key: adapter_only(m.sharded_state_dict()) if lora else m.sharded_state_dict()
+            for key, m in zip(_model_keys(worker), worker.models)}
+
+
+def _lora_of(worker):
+    """The LoRA settings recorded in meta.json (None: a full model)."""
+    spec = getattr(worker, "lora", None)
+    return None if spec is None else spec.as_dict()
 
 
 def _torch_optimizers(worker):

@@ -126,7 +126,8 @@ def build(cfg, world_size, watch=None, bridge=None) -> Components:
         critic_hf = load_hf_config(cfg.critic.model, vocab_size=len(tokenizer)) if own else hf_config
         critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
-    if derived.use_reference:
+    # a LoRA actor's reference is its own base (adapters off): no second model is built
+    if derived.use_reference and actor.lora is None:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
     from engine.models.hf_io import load_hf_weights
     if arr.model.path:
@@ -140,6 +141,8 @@ def build(cfg, world_size, watch=None, bridge=None) -> Components:
     for worker in (actor, critic):
         if worker is not None and worker.optimizer is not None:
             worker.optimizer.reload_model_params()
+    if derived.use_reference and actor.lora is not None:
+        ref = actor.base_reference()
     separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
     rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
@@ -231,6 +234,7 @@ def serve_pool(cfg, bridge, n_train):
 
 def main(argv=None):
     from engine.config import load_config
+    from engine.phase import set_phase
     from engine.trainer import Trainer, set_seed
     from parallel.mesh import init_distributed
 
@@ -264,7 +268,9 @@ def main(argv=None):
             build_offline(cfg, dist.get_world_size()).fit()
         else:
             derived, components = build(cfg, dist.get_world_size(), watch=watch, bridge=bridge)
-            Trainer(derived, components).fit()
+            trainer = Trainer(derived, components)
+            set_phase("training")
+            trainer.fit()
     except Exception as e:
         if not is_collective_failure(e):
             raise
@@ -277,6 +283,7 @@ def main(argv=None):
             if components.rollout is not None:
                 components.rollout.shutdown()
             components.reward_fn.close()
+    set_phase("shutdown")
     dist.barrier()
     dist.destroy_process_group()
     return 0

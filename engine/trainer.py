@@ -30,6 +30,7 @@ from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp)
 from engine.perf import CommTimer, model_flops_params, step_flops
+from engine.phase import set_phase
 from engine.rollout.batches import sampling_params, training_batch
 from engine.validation import validate, validate_from
 from parallel.cpu import suspended as cpu_function_mode_suspended
@@ -220,8 +221,10 @@ class Trainer:
             self.watch.phase = name
         if self.comm is not None:
             self.comm.phase = name
+        set_phase(name)  # what a launcher reports if this rank dies here (engine.launch_ray)
         with Timer(name, timings):
             yield
+        set_phase("training")
         if self.comm is not None:
             self.comm.phase = "other"
 

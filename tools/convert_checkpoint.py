@@ -5,6 +5,10 @@
     python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out CKPT --tp 2
     # Megatron -> HF (any layout the checkpoint can be read at; default one process)
     python tools/convert_checkpoint.py mcore-to-hf --ckpt CKPT --out HF_OUT
+    # a LoRA run (actor_rollout_ref.model.lora_rank > 0): its checkpoint holds adapters only
+    python tools/convert_checkpoint.py lora-to-hf --ckpt RUN/global_step_N --base BASE_HF --out OUT
+    python tools/convert_checkpoint.py lora-to-hf --ckpt RUN/global_step_N --format peft \
+        --hf-config BASE_HF --out ADAPTER_DIR
 
 hf-to-mcore builds the model at the layout asked for, each rank reads only its slices of the
 HF tensors (engine.models.hf_io), and saves `dist_checkpointing` shards plus
@@ -155,6 +159,54 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
     _log(f"wrote HF checkpoint {out_dir}")
 
 
+def lora_meta(step_dir):
+    """The LoRA settings a trainer checkpoint (global_step_N) was saved with."""
+    path = os.path.join(step_dir, "meta.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--ckpt {step_dir!r} is not a trainer checkpoint (no meta.json); pass a "
+                         "global_step_N directory of a run with actor_rollout_ref.model.lora_rank > 0")
+    info = json.load(open(path)).get("workers", {}).get("actor", {}).get("lora")
+    if not info:
+        raise ValueError(f"--ckpt {step_dir!r} holds no LoRA actor (lora_rank was 0): its actor is a "
+                         "full model; export it with the trainer's trainer.save_hf instead")
+    return info
+
+
+def lora_to_hf(step_dir, out_dir, layout, base_dir=None, hf_config_dir=None, fmt="merged",
+               shard_size_mb=2000, dtype="auto"):
+    """A LoRA run's checkpoint -> merged HF weights (base + (alpha / r) B A; needs the base
+    model) or a PEFT adapter directory (collective)."""
+    from megatron.core import dist_checkpointing
+
+    from engine.models import hf_io, lora, peft_io
+    from engine.models.builder import build_model
+    from parallel.mesh import init_mesh
+
+    info = lora_meta(step_dir)
+    hf_config = hf_io.load_config(base_dir or hf_config_dir)
+    ckpt = os.path.join(step_dir, "actor")
+    saved = dist_checkpointing.load_tensors_metadata(ckpt)
+    adapter_dtype = next(v.dtype for k, v in saved.items() if lora.is_adapter_name(k))
+    init_mesh(layout)
+    chunks = build_model(hf_config, params_dtype=adapter_dtype, sequence_parallel=layout.sequence_parallel)
+    lora.add_adapters(chunks, lora.LoraSpec(info["rank"], info["alpha"], frozenset(info["targets"])),
+                      hf_config)
+    if fmt == "merged":
+        hf_io.load_hf_weights(chunks, base_dir, hf_config)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    state = {k: lora.adapter_only(c.sharded_state_dict()) for k, c in zip(keys, chunks)}
+    loaded = dist_checkpointing.load(state, ckpt)
+    for key, chunk in zip(keys, chunks):
+        lora.load_adapter_state(chunk, loaded[key])
+    out_dtype = None if dtype == "auto" else _torch_dtype(dtype)
+    if fmt == "merged":
+        hf_io.save_hf_weights(chunks, hf_config, out_dir, shard_size_mb, source_dir=base_dir,
+                              dtype=out_dtype)
+    else:
+        peft_io.save_peft_adapter(chunks, hf_config, out_dir, base_model=base_dir, dtype=out_dtype)
+    _log(f"wrote {'merged HF weights' if fmt == 'merged' else 'PEFT adapter'} {out_dir}")
+
+
 def gguf_to_hf(gguf_path, out_dir):
     """A GGUF file (e.g. llama.cpp quantised) -> an fp32 HF safetensors directory.
 
@@ -213,6 +265,9 @@ def _run(args):
     layout = _layout(args)
     if args.command == "hf-to-mcore":
         hf_to_mcore(args.hf, args.out, layout, params_dtype=args.dtype)
+    elif args.command == "lora-to-hf":
+        lora_to_hf(args.ckpt, args.out, layout, base_dir=args.base, hf_config_dir=args.hf_config,
+                   fmt=args.format, shard_size_mb=args.shard_size_mb, dtype=args.dtype)
     else:
         mcore_to_hf(args.ckpt, args.out, layout, hf_config_dir=args.hf_config,
                     shard_size_mb=args.shard_size_mb, dtype=args.dtype)
@@ -249,10 +304,19 @@ def parse_args(argv=None):
     b.add_argument("--hf-config", default=None,
                    help="HF directory with config.json (+ tokenizer); default: CKPT/hf_config")
     b.add_argument("--shard-size-mb", type=float, default=2000)
+    c = sub.add_parser("lora-to-hf", help="LoRA run checkpoint -> merged HF weights or PEFT adapter")
+    c.add_argument("--ckpt", required=True, help="global_step_N directory of a run with lora_rank > 0")
+    c.add_argument("--format", choices=("merged", "peft"), default="merged",
+                   help="merged: base + (alpha / r) B A as a HF model (needs --base); peft: "
+                        "adapter_config.json + adapter_model.safetensors")
+    c.add_argument("--base", default=None, help="the run's base HF model directory (model.path)")
+    c.add_argument("--hf-config", default=None,
+                   help="HF directory with config.json, for --format peft without --base")
+    c.add_argument("--shard-size-mb", type=float, default=2000)
     g = sub.add_parser("gguf-to-hf", help="GGUF file -> fp32 HF safetensors (dequantised)")
     g.add_argument("--gguf", required=True)
     g.add_argument("--out", required=True, help="output directory (must not exist)")
-    for s in (a, b):
+    for s in (a, b, c):
         s.add_argument("--out", required=True, help="output directory (must not exist)")
         s.add_argument("--tp", type=int, default=1)
         s.add_argument("--pp", type=int, default=1)
@@ -301,6 +365,18 @@ def _prepare(args):
         hf_config = hf_io.load_config(args.hf)
         arch_spec(hf_config)  # unsupported architectures / RoPE fail here
         hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf), hf_io.head_of(hf_config))
+    elif args.command == "lora-to-hf":
+        lora_meta(args.ckpt)
+        if args.format == "merged" and not args.base:
+            raise ValueError("--format merged needs --base, the run's base HF model directory "
+                             "(actor_rollout_ref.model.path); or use --format peft")
+        source = args.base or args.hf_config
+        if not source:
+            raise ValueError("--format peft needs --hf-config (a directory with the model's "
+                             "config.json) or --base")
+        hf_config = hf_io.load_config(source)
+        if args.base:
+            hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.base))
     else:
         if not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
             raise ValueError(f"--ckpt {args.ckpt!r} is not a Megatron dist checkpoint (no "

@@ -109,6 +109,12 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     override_config: dict = field(default_factory=dict)  # merged into the pretrained model's config
+    # LoRA (verl's keys; actor only): adapters of rank lora_rank (0 = off) on the linear layers
+    # named by target_modules (HF names q_proj ... down_proj, Megatron names linear_qkv ...,
+    # or "all-linear"), scaled by lora_alpha / lora_rank; the base stays frozen.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass

@@ -55,6 +55,7 @@ def validate(cfg: TridentConfig) -> None:
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
+    _validate_lora(cfg)
     _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
@@ -209,6 +210,32 @@ def _validate_critic(cfg: TridentConfig) -> None:
     _check(c, p, "cliprange_value", gt=0.0)
     _validate_optim(c.optim, f"{p}.optim")
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
+
+
+def _validate_lora(cfg: TridentConfig) -> None:
+    """LoRA is the actor's (its reference is the base with adapters off: no second model)."""
+    from engine.models.lora import resolve_targets
+    arr, p = cfg.actor_rollout_ref, "actor_rollout_ref.model"
+    _check(arr.model, p, "lora_rank", ge=0)
+    try:
+        resolve_targets(arr.model.target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if arr.model.lora_rank > 0:
+        _check(arr.model, p, "lora_alpha", gt=0.0)
+        if cfg.trainer.rollout_pool == "separate":
+            _fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
+                  "rollout receives merged weights, which only the colocated hand-off sends so far; "
+                  "set trainer.rollout_pool=colocated (or lora_rank=0)")
+        if arr.ref.megatron.param_offload:
+            _fail("actor_rollout_ref.ref.megatron.param_offload", True,
+                  f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "
+                  "adapters off (no reference model to offload); set it to false")
+    for section in ("critic.model", "reward_model.model"):
+        model = cfg.critic.model if section == "critic.model" else cfg.reward_model.model
+        if model.lora_rank != 0:
+            _fail(f"{section}.lora_rank", model.lora_rank, "LoRA is implemented for the actor only "
+                  f"({p}.lora_rank); set it to 0")
 
 
 def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:

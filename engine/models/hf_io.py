@@ -23,7 +23,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models import fp8, weights
+from engine.models import fp8, lora, weights
 from parallel.shards import gather_global, load_global, local_shards
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -200,6 +200,8 @@ def load_hf_weights(chunks, hf_dir: str, hf_config=None) -> None:
     read = fp8.dequantising_reader(read, index, hf_config)
 
     def get(global_name):
+        if lora.is_adapter_name(global_name):
+            return None  # LoRA adapters keep their initialisation: the checkpoint is the base
         if global_name == VALUE_HEAD:
             return read(SCORE_HEAD) if SCORE_HEAD in index else None  # None: keep the init
         return weights.megatron_from_hf(hf_config, global_name, read)
@@ -341,7 +343,10 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
     (a reward model) is saved with its head as `score.weight`, under the config that
     `sequence_classification_config` makes."""
     rank = dist.get_rank()
-    mine = _owned(chunks)
+    spec = lora.spec_of(chunks)
+    # a LoRA model is written merged (W + scale B A); every rank holds the small full adapters
+    adapters = lora.full_adapters(chunks) if spec is not None else {}
+    mine = {n: v for n, v in _owned(chunks).items() if not lora.is_adapter_name(n)}
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, {n: str(t.dtype).replace("torch.", "") for n, (t, _) in mine.items()})
     value_head = any(VALUE_HEAD in m for m in metas)
@@ -382,6 +387,7 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
                     full = torch.empty(shapes[name], dtype=getattr(torch, metas[owner][name]))
                     dist.recv(full, src=owner)
             if rank == 0:
+                full = lora.merge(name, full, adapters, spec, hf_config) if adapters else full
                 for hf_name, t in _to_hf(hf_config, name, full):
                     keep_fp32 = name.endswith("router.expert_bias")
                     writer.add(hf_name, t.to(torch.float32 if keep_fp32 else save_dtype))
