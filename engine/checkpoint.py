@@ -256,6 +256,29 @@ def _check_model_matches(name, worker, directory):
             "different model architecture")
 
 
+def resume_path_problem(path, workers=None) -> Optional[str]:
+    """Why `path` cannot be a checkpoint to resume from, or None: the cheap checks (directory,
+    manifest, meta.json, the workers it holds) that need no model and no other rank."""
+    if not path or not os.path.isdir(path):
+        return ("does not exist; give an existing global_step_N directory or use "
+                "trainer.resume_mode=auto")
+    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+        return (f"is not a complete checkpoint (no {MANIFEST_FILE}: the save did not finish, or "
+                "it is not a global_step_N directory); pick another global_step_N directory")
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            saved = json.load(f)["workers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return (f"its {META_FILE} is missing or unreadable ({type(e).__name__}: {e}); the checkpoint "
+                "is damaged: pick another global_step_N directory")
+    missing = [w for w in (workers or []) if w not in saved]
+    if missing:
+        return (f"it holds the workers {sorted(saved)} but this run trains {list(workers)}: it was "
+                "saved by a run of another algorithm (e.g. without a critic); resume with the "
+                "recipe that wrote it, or start fresh with trainer.resume_mode=disable")
+    return None
+
+
 # -- the manager ------------------------------------------------------------------------------
 class CheckpointManager:
     """Checkpoints under `root_dir`; collective: every rank calls `save` / `load` together.
@@ -345,13 +368,9 @@ class CheckpointManager:
             raise ValueError("trainer.resume_from_path is empty but trainer.resume_mode="
                              "'resume_path'; give the global_step_N directory to resume from")
         path = os.path.abspath(resume_from_path)
-        if not os.path.isdir(path):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} does not exist; give "
-                             "an existing global_step_N directory or use trainer.resume_mode=auto")
-        if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} is not a complete "
-                             f"checkpoint (no {MANIFEST_FILE}: the save did not finish); pick "
-                             "another global_step_N directory")
+        problem = resume_path_problem(path)
+        if problem:
+            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")
         problem = self._check(path, level)
         if problem:
             raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")

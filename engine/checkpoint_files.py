@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.errors import UserError
+
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 2
 CHECKSUM = "crc32"
@@ -34,7 +36,7 @@ TMP_PREFIX = ".tmp-"
 _NDARRAY = "__trident_ndarray__"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: incomplete, corrupted or not matching the model."""
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from engine.errors import UserError
+
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A recipe problem: names the dotted key, the offending value and how to fix it."""
 
 
@@ -35,6 +37,7 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal["console", "tensorboard", "jsonl", "wandb", "swanlab", "mlflow"]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
+BuiltinTask = Literal["arith", "copy", "code"]  # engine/tasks.py
 
 # Estimators that compare responses within a group of n samples per prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -71,7 +74,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # same as truncation='filter' (derive() makes both agree)
     return_raw_chat: bool = False
     chat_template: bool = True  # format prompts with the tokenizer's chat template
-    builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
+    builtin_task: Optional[BuiltinTask] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
 
