@@ -29,11 +29,18 @@ TRUNCATION_POLICIES = ("error", "filter", "left", "right")
 
 
 def write_prompt_parquet(rows, path):
-    """Write rows (dicts in the schema above) to a parquet file, creating its directory."""
+    """Write rows (dicts in the schema above) to a parquet file, creating its directory. The
+    file appears whole or not at all (written beside it, then renamed)."""
     if not rows:
         raise ValueError(f"no rows to write to {path}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def read_parquet(path):

@@ -107,9 +107,34 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def require_file(path, what: str, fix: str) -> None:
-    """UserError unless `path` is an existing regular file."""
+def positive(kind, what: str):
+    """argparse type: a finite number > 0 of `kind` (int or float); `what` says what it counts,
+    e.g. "the GiB of memory per GPU, e.g. 80"."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}; "
+                                             f"give {what}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} must be > 0; give {what}")
+        return value
+    return parse
+
+
+def require_file(path, flag: str, fix: str) -> None:
+    """UsageError unless `path` (given as `flag`) is an existing regular file."""
     if not os.path.exists(path):
-        raise UsageError(f"{what} {path!r} does not exist; {fix}")
+        raise UsageError(f"{flag} {path!r} does not exist; {fix}")
     if not os.path.isfile(path):
-        raise UsageError(f"{what} {path!r} is not a file; {fix}")
+        raise UsageError(f"{flag} {path!r} is not a file; {fix}")
+
+
+def check_output_file(path, flag: str) -> None:
+    """UsageError unless the file `path` (given as `flag`) can be written: its directory exists
+    and it is not itself a directory. Checked before any work, so none is lost at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path!r}: directory {folder!r} does not exist; create it first")
