@@ -277,6 +277,10 @@ def resume_path_problem(path, workers=None) -> Optional[str]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return (f"its {META_FILE} is missing or unreadable ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged: pick another global_step_N directory")
+    try:  # sizes only (one stat per file): a truncated copy fails here, before any model is built
+        verify_manifest(path, "size")
+    except CheckpointError as e:
+        return str(e)
     missing = [w for w in (workers or []) if w not in saved]
     if missing:
         return (f"it holds the workers {sorted(saved)} but this run trains {list(workers)}: it was "

@@ -320,12 +320,14 @@ def _main(argv=None):
     from engine.errors import UsageError
 
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
+    usage = "usage: torchrun --nproc_per_node N -m engine.train RECIPE.yaml [key=value ...]"
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        raise UsageError(f"no recipe given; {usage}")
     if argv[0].startswith("-"):
-        raise UsageError(f"unknown option {argv[0]!r}; usage: torchrun --nproc_per_node N -m engine.train "
-                         "RECIPE.yaml [key=value ...]")
+        raise UsageError(f"unknown option {argv[0]!r}; {usage}")
     recipe, overrides = argv[0], argv[1:]
     cfg = load_config(recipe, overrides)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -38,13 +38,13 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 
 def _torch_dtype(name, hf_config=None):
+    if name not in _DTYPES and name not in (None, "auto"):
+        raise UsageError(f"--dtype {name!r} is not supported; use auto, float32, bfloat16 or float16")
     import torch
     if name in (None, "auto"):
         d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         d = getattr(torch, d, None) if isinstance(d, str) else d
         return d if isinstance(d, torch.dtype) else torch.float32
-    if name not in _DTYPES:
-        raise UsageError(f"--dtype {name!r} is not supported; use auto, float32, bfloat16 or float16")
     return getattr(torch, _DTYPES[name])
 
 
@@ -366,25 +366,27 @@ def _prepare(args):
     """Check every argument before any work (and before ranks are spawned): inputs readable,
     output new, layout possible for the model and the ranks; fill in --etp and --nproc. The
     missing parents of --out are created last (and removed by main() if the conversion fails)."""
-    from engine.models import hf_io
-    from engine.models.arch import arch_spec
-
     if args.command == "gguf-to-hf":
         if not os.path.isfile(args.gguf):
             raise UsageError(f"--gguf {args.gguf!r} is not a file; pass the path of a .gguf file")
         if os.path.exists(args.out):
             raise UsageError(f"--out {args.out!r} already exists; choose a new directory")
-    elif args.command == "hf-to-mcore":
-        if not os.path.isdir(args.hf):
-            raise UsageError(f"--hf {args.hf!r} is not a directory; pass a HF model directory "
-                             "(config.json + *.safetensors)")
+    elif args.command == "hf-to-mcore" and not os.path.isdir(args.hf):
+        raise UsageError(f"--hf {args.hf!r} is not a directory; pass a HF model directory "
+                         "(config.json + *.safetensors)")
+    elif args.command == "mcore-to-hf" and not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
+        raise UsageError(f"--ckpt {args.ckpt!r} is not a Megatron dist checkpoint (no "
+                         "metadata.json); pass the --out of an hf-to-mcore run")
+    if args.command != "gguf-to-hf" and args.dtype != "auto":
+        _torch_dtype(args.dtype)  # the name, before torch is imported for the model
+    from engine.models import hf_io  # torch, safetensors, transformers: after the cheap checks
+    from engine.models.arch import arch_spec
+
+    if args.command == "hf-to-mcore":
         hf_config = hf_io.load_config(args.hf)
         arch_spec(hf_config)  # unsupported architectures / RoPE fail here
         hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf))
-    else:
-        if not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
-            raise UsageError(f"--ckpt {args.ckpt!r} is not a Megatron dist checkpoint (no "
-                             "metadata.json); pass the --out of an hf-to-mcore run")
+    elif args.command == "mcore-to-hf":
         hf_config = hf_io.load_config(_hf_config_dir(args))
         arch_spec(hf_config)
         check_dist_checkpoint_files(args.ckpt)
@@ -398,8 +400,6 @@ def _prepare(args):
 
 
 def _prepare_layout(args, hf_config, spec):
-    if args.dtype != "auto":
-        _torch_dtype(args.dtype)
     rank0 = os.environ.get("RANK", "0") == "0"
     if args.etp is None and spec.num_experts:
         # Megatron's default (etp = tp) needs ep x tp ranks per stage; experts whole per rank

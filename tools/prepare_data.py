@@ -16,12 +16,12 @@ import os
 import shutil
 import sys
 import tempfile
+import typing
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import tasks  # noqa: E402
-from engine.data import write_prompt_parquet  # noqa: E402
+from engine.config.schema import BuiltinTask  # noqa: E402
 from engine.errors import (ArgumentParser, DataError, UsageError, positive, require_file,  # noqa: E402
                            run_main)
 
@@ -67,7 +67,13 @@ def gsm8k_rows(jsonl_path, split="train"):
     return rows
 
 
+def write_prompt_parquet(rows, path):
+    from engine.data import write_prompt_parquet as write  # torch: imported only to write
+    write(rows, path)
+
+
 def write_builtin(name, out_dir, n_train, n_val, seed, difficulty):
+    from engine import tasks
     train, val, _ = tasks.make_builtin_task(name, seed=seed, n_train=n_train, n_val=n_val, difficulty=difficulty)
     write_prompt_parquet(train, os.path.join(out_dir, "train.parquet"))
     write_prompt_parquet(val, os.path.join(out_dir, "val.parquet"))
@@ -133,7 +139,7 @@ def _main(argv=None):
     parser.add_argument("--input", help="GSM8K-style JSONL file")
     parser.add_argument("--output", help="parquet file to write (with --input)")
     parser.add_argument("--split", default="train", help="split name recorded in extra_info")
-    parser.add_argument("--builtin", choices=tasks.BUILTIN_TASKS, help="write a built-in task instead")
+    parser.add_argument("--builtin", choices=typing.get_args(BuiltinTask), help="write a built-in task instead")
     parser.add_argument("--out-dir", help="directory for the built-in task's train/val parquet")
     parser.add_argument("--n-train", type=positive(int, "the number of training rows, e.g. 2048"), default=2048)
     parser.add_argument("--n-val", type=positive(int, "the number of validation rows, e.g. 128"), default=128)
