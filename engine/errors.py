@@ -27,7 +27,7 @@ EXIT_USER_ERROR = 2
 # A rank other than 0 that hit a user error waits this long before exiting: if rank 0 failed
 # too, the launcher ends this rank meanwhile and rank 0's line is the only one; if not (an
 # error only this rank saw), this rank reports it itself.
-PEER_GRACE_S = 5.0
+PEER_GRACE_S = 30.0
 
 
 class UserError(ValueError):

@@ -11,10 +11,11 @@ A case (one list item of a YAML file) says:
               placeholders {case} (the case's directory, also the working directory), {demo}
               (recipes/tiny_cpu_demo.yaml) and the shared fixtures {tokenizer}, {hf_small},
               {hf_wide}, {mcore_small}, {step_small} (built once per session, on first use)
-    files     {relative path: spec} created in {case} first; spec keys: text (+ encoding),
-              bytes (that many random bytes), parquet (rows; + truncate: keep N bytes), json,
-              hf_config ({family, **overrides}: config.json only), copy (a fixture's name;
-              + truncate {file: bytes}, remove [files]), dir (an empty directory)
+    files     {relative path: spec} created in {case} first; spec keys: copy (a fixture's
+              name; + remove [files]), text (+ encoding), bytes (that many random bytes),
+              parquet (rows), json, hf_config ({family, **overrides}: config.json into the
+              directory), dir (an empty directory), truncate (N bytes, or {file: N} inside a
+              copied directory)
     env       extra environment variables (e.g. WORLD_SIZE=4: rank 0's view of a 4-rank job)
     expect    fragments the error line must contain
     exit      the exit code (default 2)
@@ -145,37 +146,36 @@ def _expand(text, case_dir, fixtures):
 def _create(case_dir, rel, spec, fixtures):
     path = os.path.join(case_dir, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if "text" in spec:
-        with open(path, "wb") as f:
-            f.write(_expand(spec["text"], case_dir, fixtures).encode(spec.get("encoding", "utf-8")))
-    elif "bytes" in spec:
-        with open(path, "wb") as f:
-            f.write(random.Random(rel).randbytes(spec["bytes"]))
-    elif "parquet" in spec:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(spec["parquet"]), path)
-    elif "json" in spec:
-        with open(path, "w") as f:
-            json.dump(spec["json"], f)
-    elif "hf_config" in spec:
-        from tests.tiny_models import tiny_config
-        kw = dict(spec["hf_config"])
-        tiny_config(kw.pop("family", "llama"), **kw).save_pretrained(path)
-    elif "copy" in spec:
+    if "copy" in spec:  # first, so that the keys below can change the copy
         src = fixtures.path(spec["copy"])
         (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, path)
         for name in spec.get("remove", []):
             target = os.path.join(path, name)
             (shutil.rmtree if os.path.isdir(target) else os.remove)(target)
-    elif spec.get("dir"):
+    if "text" in spec:
+        with open(path, "wb") as f:
+            f.write(_expand(spec["text"], case_dir, fixtures).encode(spec.get("encoding", "utf-8")))
+    if "bytes" in spec:
+        with open(path, "wb") as f:
+            f.write(random.Random(rel).randbytes(spec["bytes"]))
+    if "parquet" in spec:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(spec["parquet"]), path)
+    if "json" in spec:
+        with open(path, "w") as f:
+            json.dump(spec["json"], f)
+    if "hf_config" in spec:  # config.json in the directory `path`
+        from tests.tiny_models import tiny_config
+        kw = dict(spec["hf_config"])
+        tiny_config(kw.pop("family", "llama"), **kw).save_pretrained(path)
+    if spec.get("dir"):
         os.makedirs(path)
-    else:
-        raise AssertionError(f"unknown file spec {spec}")
     cuts = spec.get("truncate") or {}
     for name, size in ({"": cuts} if isinstance(cuts, int) else cuts).items():
         with open(os.path.join(path, name) if name else path, "r+b") as f:
             f.truncate(size)
+    assert os.path.exists(path), f"file spec {spec} created nothing"
 
 
 def _listing(case_dir):
