@@ -167,6 +167,7 @@ def prepare(cfg, world_size) -> Prepared:
                     num_experts=spec.num_experts or 0,
                     num_attention_heads=hf_config.num_attention_heads,
                     num_query_groups=spec.transformer.get("num_query_groups"))
+    _check_weights(hf_config, model, "actor_rollout_ref.model", "lm")
     critic = resolved.critic.model
     if derived.use_critic and (critic.path, critic.config) != (model.path, model.config):
         model_spec(load_hf_config(critic, key="critic.model"), critic, "critic.model")
@@ -174,6 +175,12 @@ def prepare(cfg, world_size) -> Prepared:
     if resolved.reward_model.enable:
         rm_config = load_hf_config(resolved.reward_model.model, key="reward_model.model")
         model_spec(rm_config, resolved.reward_model.model, "reward_model.model")
+        _check_weights(rm_config, resolved.reward_model.model, "reward_model.model", "value")
+    from engine.rollout.registry import check_available
+    try:
+        check_available(resolved.actor_rollout_ref.rollout.name)
+    except ValueError as e:  # its messages name the key and the fix
+        raise ConfigError(str(e)) from None
     if resolved.trainer.resume_mode == "resume_path":
         from engine.checkpoint import resume_path_problem
         path = resolved.trainer.resume_from_path
@@ -184,6 +191,18 @@ def prepare(cfg, world_size) -> Prepared:
     _check_dataset_size(cfg, train_data, val_data)
     derived = derive(cfg, world_size, dataset_len=len(train_data))  # now with the step count
     return Prepared(derived, tokenizer, train_data, val_data, hf_config, rm_config)
+
+
+def _check_weights(hf_config, model_cfg, key, head):
+    """The safetensors headers of `model_cfg.path` against its config (no tensor is read)."""
+    if not model_cfg.path:
+        return
+    from engine.errors import ModelError
+    from engine.models import hf_io
+    try:
+        hf_io.validate_checkpoint(hf_config, hf_io.read_index(model_cfg.path), head)
+    except ModelError as e:
+        raise ModelError(f"{key}.path={model_cfg.path!r}: {e}") from None
 
 
 def _trained_workers(derived):
