@@ -46,10 +46,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_files import (MANIFEST_FILE, TMP_PREFIX, VERIFY_LEVELS, CheckpointError,
-                                     NonFiniteError, fsync_dir, load_safe, make_durable,
-                                     manifest_entries, save_safe, verify_checkpoint,
-                                     verify_manifest, write_atomic, write_manifest)
+from engine.checkpoint_files import (MANIFEST_FILE, META_FILE, TMP_PREFIX, VERIFY_LEVELS,
+                                     CheckpointError, NonFiniteError, fsync_dir, load_safe,
+                                     make_durable, manifest_entries, resume_path_problem,
+                                     save_safe, verify_checkpoint, verify_manifest, write_atomic,
+                                     write_manifest)
 from engine.checkpoint_files import barrier as _barrier
 from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
 from engine.checkpoint_files import raise_if_any as _raise_if_any
@@ -63,7 +64,6 @@ logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 2  # 2: CRC-32 manifest, weights_only-safe pickles
@@ -260,33 +260,6 @@ def _check_model_matches(name, worker, directory, fix=None):
             f"worker {name!r}: the checkpoint {directory!r} has tensors this model does not: "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; it was saved from a "
             f"different model architecture: {fix}")
-
-
-def resume_path_problem(path, workers=None) -> Optional[str]:
-    """Why `path` cannot be a checkpoint to resume from, or None: the cheap checks (directory,
-    manifest, meta.json, the workers it holds) that need no model and no other rank."""
-    if not path or not os.path.isdir(path):
-        return ("does not exist; give an existing global_step_N directory or use "
-                "trainer.resume_mode=auto")
-    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-        return (f"is not a complete checkpoint (no {MANIFEST_FILE}: the save did not finish, or "
-                "it is not a global_step_N directory); pick another global_step_N directory")
-    try:
-        with open(os.path.join(path, META_FILE)) as f:
-            saved = json.load(f)["workers"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return (f"its {META_FILE} is missing or unreadable ({type(e).__name__}: {e}); the checkpoint "
-                "is damaged: pick another global_step_N directory")
-    try:  # sizes only (one stat per file): a truncated copy fails here, before any model is built
-        verify_manifest(path, "size")
-    except CheckpointError as e:
-        return str(e)
-    missing = [w for w in (workers or []) if w not in saved]
-    if missing:
-        return (f"it holds the workers {sorted(saved)} but this run trains {list(workers)}: it was "
-                "saved by a run of another algorithm (e.g. without a critic); resume with the "
-                "recipe that wrote it, or start fresh with trainer.resume_mode=disable")
-    return None
 
 
 # -- the manager ------------------------------------------------------------------------------
