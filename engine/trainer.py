@@ -19,9 +19,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.kl import KLGuard, make_kl_controller
+from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
+from engine import faults
 from engine.data import PromptLoader
+from engine.experience import Online
+from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp)
@@ -45,8 +48,8 @@ class Trainer:
         self.peak_flops = c.peak_flops
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size,
-                                   shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
@@ -56,6 +59,12 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        self.experience = Online()  # where a step's batch comes from (engine/experience.py)
+        self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
+        self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
+        for worker in (self.actor, self.critic):
+            if worker is not None:
+                worker.oom_retries = cfg.trainer.oom_retry
         workers = {"actor": self.actor, "critic": self.critic, "ref": self.ref,
                    "reward_model": self.reward_model}
         self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
@@ -76,6 +85,11 @@ class Trainer:
                                    and not alg.use_kl_in_reward)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
+        # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
+        # the reward, it runs before the old-log-prob pass, which computes the KL from them
+        self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
+        self.keep_ref_hidden = self.full_kl_in_reward or (
+            arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
 
     # -- the loop --------------------------------------------------------------------------
     def fit(self):
@@ -85,8 +99,13 @@ class Trainer:
             self.logger.log(self.validate(), self.step_count)
         while self.step_count < self.total_steps:
             prompts = self.loader.next_batch()
+            faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
+            if self.guard.after_step(metrics, metrics.pop("train/applied_update") > 0):
+                self.logger.log(metrics, self.step_count)
+                self.rollback()
+                continue
             if trainer.test_freq > 0 and (self.step_count % trainer.test_freq == 0
                                           or self.step_count == self.total_steps):
                 metrics.update(self.validate())
@@ -110,53 +129,51 @@ class Trainer:
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts; returns its metrics."""
         timings = defaultdict(float)
-        cfg, alg = self.cfg, self.cfg.algorithm
+        cfg = self.cfg
         with Timer("step", timings):
-            with self._phase("update_weights", timings):
-                sync = self.sync_weights()  # ends in the generate phase (engine/config/phases.py)
-            with self._phase("gen", timings):
-                batch = self.generate(prompts, self._sampling(train=True))
-            if alg.adv_estimator == "remax":
-                with self._phase("gen", timings):
-                    baseline = self.generate(prompts, self._sampling(train=True, greedy=True),
-                                             n=1)
-                batch["reward_baselines"] = self._scores(baseline).repeat_interleave(
-                    cfg.actor_rollout_ref.rollout.n)
+            batch, collected = self.experience.collect(self, prompts, timings)
             self.hybrid.enter("reward")
             with self._phase("reward", timings):
                 batch["token_level_scores"], extra = self.compute_scores(batch)
+            metrics = self._reward_extra_metrics(extra)
+            metrics.update(collected)
+            if self.ref is not None and self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
                 self.hybrid.enter("old_log_prob")
                 with self._phase("old_log_prob", timings):
-                    batch["old_log_probs"] = self.actor.compute_log_prob(
+                    out = self.actor.forward_outputs(
                         batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("rollout"))
-            if self.ref is not None:
-                self.hybrid.enter("ref")
-                with self._phase("ref", timings):
-                    batch["ref_log_prob"] = self.ref.compute_log_prob(
-                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        **self._log_prob_split("ref"))
+                        with_full_kl=self.full_kl_in_reward, **self.derived.forward["actor"].kwargs())
+                    batch["old_log_probs"] = out["log_prob"]
+                    if self.full_kl_in_reward:
+                        batch["old_full_kl"] = out["full_kl"]
+            if self.ref is not None and not self.full_kl_in_reward:
+                self._reference_pass(batch, timings)
             if self.critic is not None:
                 self.hybrid.enter("values")
                 with self._phase("values", timings):
-                    batch["values"] = self.critic.compute_values(batch, **self._log_prob_split("rollout"))
-            metrics = {}
+                    batch["values"] = self.critic.compute_values(batch, **self.derived.forward["critic"].kwargs())
             with self._phase("adv", timings):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
-            if self.critic is not None:
+            # NaN / Inf rewards (a broken verifier, a reward model gone bad) train nothing
+            finite = self.guard.finite(batch["token_level_rewards"])
+            metrics["train/applied_update"] = 0.0
+            if finite and self.critic is not None:
                 self.hybrid.enter("critic_update")
                 with self._phase("update_critic", timings):
-                    metrics.update(self.critic.update_critic(batch))
-            self.hybrid.enter("actor_update")
-            with self._phase("update_actor", timings):
-                metrics.update(self.actor.update_policy(
-                    batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                    kl_coef=self.kl_loss_coef))
+                    metrics.update(self.critic.update_critic(batch, **self.derived.critic.update.kwargs()))
+            if finite:
+                self.hybrid.enter("actor_update")
+                with self._phase("update_actor", timings):
+                    metrics.update(self.actor.update_policy(
+                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                        kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
+                steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
+                metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
-        metrics["perf/update_weights_gb"] = sync.bytes / 1e9
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
             self.comm.seconds.clear()
@@ -170,6 +187,19 @@ class Trainer:
         return metrics
 
     # -- steps -----------------------------------------------------------------------------
+    def _reference_pass(self, batch, timings):
+        """Reference log-probs; for the exact KL also its hidden states and output-weight shard
+        (host memory, last pipeline stage only: see engine/workers/actor.py)."""
+        self.hybrid.enter("ref")
+        with self._phase("ref", timings):
+            out = self.ref.forward_outputs(
+                batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                with_hidden=self.keep_ref_hidden, **self.derived.forward["ref"].kwargs())
+        batch["ref_log_prob"] = out["log_prob"]
+        if "hidden" in out:
+            batch["ref_hidden"] = out["hidden"]
+            batch.meta["ref_output_weight"] = out["output_weight"]
+
     def sync_weights(self):
         """The colocated sync: training state out, the actor's weights into the rollout engines,
         their KV cache in; ends in the generate phase."""
@@ -178,6 +208,9 @@ class Trainer:
     @contextlib.contextmanager
     def _phase(self, name, timings):
         """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
+        faults.act(name)
+        if self.watch is not None:
+            self.watch.phase = name
         if self.comm is not None:
             self.comm.phase = name
         with Timer(name, timings):
@@ -213,15 +246,28 @@ class Trainer:
         self.route_bytes = self.rollout.route_bytes
         r = self.cfg.actor_rollout_ref.rollout
         rows = self._my_prompts(prompts) if rows is None else rows
-        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length)
+        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
+                              raw_chat=self.cfg.data.return_raw_chat)
 
     def compute_scores(self, batch):
         """Rule rewards by data_source, plus the reward model's score when one is enabled."""
-        model_scores = self.reward_model.compute_scores(batch) if self.reward_model else None
+        model_scores = (self.reward_model.compute_scores(batch, **self.derived.forward["reward_model"].kwargs())
+                        if self.reward_model else None)
+        extra_infos = list(batch["extra_info"])
+        if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
+            extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
         return self.reward_fn(batch["responses"], batch["response_mask"],
                               ground_truths=list(batch["ground_truth"]),
                               data_sources=list(batch["data_source"]),
-                              extra_infos=list(batch["extra_info"]), model_scores=model_scores)
+                              extra_infos=extra_infos, model_scores=model_scores)
+
+    REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong")
+
+    def _reward_extra_metrics(self, extra):
+        """Means over the global batch of the reward extras every rank has (same config)."""
+        local = {f"reward_extra/{k}/mean": float(np.mean([float(v) for v in extra[k]]))
+                 for k in self.REWARD_EXTRAS if k in extra and len(extra[k])}
+        return reduce_over_dp(local, self.dp) if local else {}
 
     def _scores(self, batch):
         scores, _ = self.compute_scores(batch)
@@ -234,7 +280,8 @@ class Trainer:
             return {}
         rewards, metrics = apply_kl_penalty(
             batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty)
+            batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty,
+            full_kl=batch["old_full_kl"] if self.full_kl_in_reward else None)
         batch["token_level_rewards"] = rewards
         kl = torch.tensor([float(metrics["actor/reward_kl_penalty"])])
         dist.all_reduce(kl, group=ps.get_data_parallel_group())
@@ -253,13 +300,6 @@ class Trainer:
             reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None)
         batch["advantages"], batch["returns"] = adv, ret
         return batch
-
-    def _log_prob_split(self, section):
-        arr = self.cfg.actor_rollout_ref
-        sec = arr.rollout if section == "rollout" else arr.ref
-        if sec.log_prob_use_dynamic_bsz:
-            return dict(max_tokens=sec.log_prob_max_token_len_per_gpu)
-        return dict(micro_batch_size=sec.log_prob_micro_batch_size_per_gpu)
 
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):
@@ -320,17 +360,30 @@ class Trainer:
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
+                "guard": self.guard.state_dict(),
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                         "torch": torch.get_rng_state()}}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
+        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
+            if self.rank == 0:
+                print(f"checkpoint of step {self.step_count} holds no trainer state (save_contents without "
+                      "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
+                      flush=True)
+            self.loader.seek(self.step_count)
+            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.kl_guard is not None and state.get("kl_guard") is not None:
             self.kl_guard.load_state_dict(state["kl_guard"])
         self.kl_loss_coef = float(state.get("kl_loss_coef", self.kl_loss_coef))
+        self.guard.load_state_dict(state.get("guard", {}))
+        for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
+            self.workers()[name].split = tuple(split)
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -346,7 +399,25 @@ class Trainer:
     def save(self):
         if self.checkpoints is not None:
             self.hybrid.enter("checkpoint")
-            self.checkpoints.save(self.step_count, self.workers(), self.state_dict())
+            self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+    def rollback(self):
+        """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
+        checkpoint (its weights, data position, RNG) with a lower LR; without one, the current
+        weights are the last good ones (nothing non-finite was applied): lower the LR in place."""
+        guard = self.guard.state_dict()
+        path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
+        if path is not None:
+            self.hybrid.enter("checkpoint")
+            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.logger.truncate_after(self.step_count)
+        self.guard.load_state_dict(guard)
+        scale = self.guard.lower_lr(list(self.workers().values()))
+        if self.rank == 0:
+            print(f"non-finite values in {self.guard.max_skips} steps in a row: "
+                  f"{'rolled back to ' + path if path else 'no checkpoint to roll back to'}; "
+                  f"the LR is now x{scale:g} of the recipe's (trainer.rollback_lr_factor)", flush=True)
 
     def resume(self):
         t = self.cfg.trainer

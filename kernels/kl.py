@@ -18,27 +18,34 @@ derivative it will need, instead of a graph of elementwise ops.
 "full" is the exact KL(pi || ref) = sum_v p_v log(p_v / q_v) over the whole vocabulary. It
 needs both distributions, not two sampled log-probs, so it is `linear_full_kl`, computed from
 the actor's and the reference's hidden states and output weights, chunked over tokens and
-vocab-parallel exactly like kernels/logprob.py (never a [tokens, vocab] tensor).
+vocab-parallel exactly like kernels/logprob.py (never a [tokens, vocab] tensor). `kl_penalty`
+takes that per-token KL as `full_kl`:
+
+    full  | the exact KL, value and gradient (d/d logits = p (log p - log q - KL), every
+            vocabulary entry: linear_full_kl's own backward)
+    full+ | straight-through like the other "+" kinds: the value of the exact KL, the gradient
+            of k2 on the sampled token (d/d logprob = r = logprob - ref_logprob), so
+            E_{y ~ pi}[r grad log pi(y)] = grad KL(pi || ref), as for k1+..k3+. It needs no
+            backward through the vocabulary: a forward-only linear_full_kl and the sampled
+            log-prob's gradient, which the fused loss kernel makes anyway.
 """
 import torch
 import torch.distributed as dist
 
 from kernels.logprob import _ChunkBuffers, _all_reduce, _global_max, default_chunk_tokens
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS"]
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FULL_KL_KINDS"]
 
 _CANONICAL = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
               "low_var_kl": "k3", "k3": "k3"}
-KL_KINDS = tuple(_CANONICAL) + tuple(k + "+" for k in _CANONICAL) + ("full",)
+FULL_KL_KINDS = ("full", "full+")  # need the exact per-token KL (linear_full_kl) as full_kl
+KL_KINDS = tuple(_CANONICAL) + tuple(k + "+" for k in _CANONICAL) + FULL_KL_KINDS
 
 LOG_RATIO_CLAMP = 20.0  # k3: exp(+-20) is finite in fp32
 K3_VALUE_CLAMP = 10.0
 
 
 def _estimator(kind):
-    if kind == "full":
-        raise ValueError("kl kind 'full' needs both full distributions, not sampled log-probs; "
-                         "use kernels.kl.linear_full_kl(hidden, weight, ref_hidden, ref_weight)")
     straight_through = kind.endswith("+")
     base = _CANONICAL.get(kind[:-1] if straight_through else kind)
     if base is None:
@@ -81,12 +88,43 @@ class _KLPenalty(torch.autograd.Function):
         return d_logprob, d_ref, None, None
 
 
-def kl_penalty(logprob, ref_logprob, kind):
-    """Per-token KL estimate of `kind` (see module docstring), same shape as the inputs."""
-    base, straight_through = _estimator(kind)
+class _ValueWithK2Grad(torch.autograd.Function):
+    """`value` forward; backward as k2 of (logprob - ref_logprob), like the "+" kinds."""
+
+    @staticmethod
+    def forward(ctx, value, logprob, ref_logprob):
+        ctx.save_for_backward(logprob.float() - ref_logprob.float())
+        ctx.dtypes = (logprob.dtype, ref_logprob.dtype)
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (r,) = ctx.saved_tensors
+        d_r = grad.float() * r
+        d_logprob = d_r.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        d_ref = (-d_r).to(ctx.dtypes[1]) if ctx.needs_input_grad[2] else None
+        return None, d_logprob, d_ref
+
+
+def kl_penalty(logprob, ref_logprob, kind, full_kl=None):
+    """Per-token KL estimate of `kind` (see module docstring), same shape as the inputs.
+
+    The "full" kinds take the exact per-token KL as `full_kl` (from `linear_full_kl`, same
+    shape): "full" returns it as it is (its gradient is its own), "full+" returns its value with
+    the gradient of k2 on (logprob, ref_logprob)."""
     if logprob.shape != ref_logprob.shape:
         raise ValueError(f"logprob shape {tuple(logprob.shape)} != ref_logprob shape "
                          f"{tuple(ref_logprob.shape)}; pass per-token log-probs of the same tokens")
+    if kind in FULL_KL_KINDS:
+        if full_kl is None:
+            raise ValueError(f"kl kind {kind!r} needs both full distributions, not sampled "
+                             f"log-probs: pass full_kl=kernels.kl.linear_full_kl(hidden, weight, "
+                             f"ref_hidden, ref_weight)")
+        if full_kl.shape != logprob.shape:
+            raise ValueError(f"full_kl shape {tuple(full_kl.shape)} != logprob shape "
+                             f"{tuple(logprob.shape)}")
+        return full_kl if kind == "full" else _ValueWithK2Grad.apply(full_kl, logprob, ref_logprob)
+    base, straight_through = _estimator(kind)
     return _KLPenalty.apply(logprob, ref_logprob, base, straight_through)
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Layout:
+    """The one layout object of a run (engine.config.derive makes it from the recipe)."""
     tp: int = 1
     pp: int = 1
     vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule)
@@ -21,13 +22,26 @@ class Layout:
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel; None = same as tp (megatron's default)
     sequence_parallel: bool = False
+    world_size: Optional[int] = None  # known once ranks are counted; dp and expert_dp need it
 
     @property
     def expert_tp(self):
         return self.tp if self.etp is None else self.etp
 
-    def dp(self, world_size):
-        return world_size // (self.tp * self.pp * self.cp)
+    def _world(self):
+        if self.world_size is None:
+            raise ValueError("this Layout has no world_size: data-parallel sizes depend on it")
+        return self.world_size
+
+    @property
+    def dp(self):
+        """world / (TP x PP x CP)"""
+        return self._world() // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self):
+        """world / (PP x EP x expert TP)"""
+        return self._world() // (self.pp * self.ep * self.expert_tp)
 
     def check(self, world_size):
         """One clear error for a layout that cannot tile `world_size` ranks."""
@@ -84,7 +98,7 @@ def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta: fractions of a minute are fine
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(seed)

@@ -7,17 +7,36 @@ SP / tied-embedding reductions) by Megatron's own `finalize_model_grads`.
 """
 from typing import Callable, List, Sequence
 
+import torch
+import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
+class MicroBatchOOM(RuntimeError):
+    """A rank ran out of memory in a micro-batch; raised on every rank together."""
+
+
+def is_oom(error: BaseException) -> bool:
+    """torch's out-of-memory, or the CPU stand-in tests inject (a RuntimeError named so)."""
+    return isinstance(error, torch.OutOfMemoryError) or type(error).__name__ == "SimulatedOOM"
+
+
 def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Callable, *,
-                     forward_only: bool, seq_length: int, micro_batch_size: int):
+                     forward_only: bool, seq_length: int, micro_batch_size: int,
+                     agree_on_oom: bool = False):
     """Run every micro-batch forward (and backward unless `forward_only`) through the pipeline.
 
     Returns the list of per-micro-batch `info` values the loss functions returned (last pipeline
     stage only; empty elsewhere). Losses are *sums* already normalised by the caller (the model
     config sets `calculate_per_token_loss`): the schedule does not average them.
+
+    `agree_on_oom`: before the gradients are reduced, every rank says whether it ran out of
+    memory (one all-reduce of a flag) and all raise MicroBatchOOM together if one did, so the
+    caller can retry with smaller micro-batches. The ranks meet there only if the failing rank
+    left no peer waiting inside the schedule: true for data parallelism without overlapped
+    gradient reduction; with TP / PP / CP collectives inside a micro-batch the peers wait until
+    the collective timeout ends the job (engine.train reports it).
     """
     if not micro_batches:
         return []
@@ -29,15 +48,26 @@ def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Calla
         return step_fn(model, next(data_iterator))
 
     iterators = [iter(micro_batches) for _ in chunks]
-    infos = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
+    oom = None
+    try:
+        infos = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+    except Exception as e:
+        if not (agree_on_oom and is_oom(e)):
+            raise
+        oom, infos = e, []
+    if agree_on_oom:
+        flag = torch.tensor([1.0 if oom is not None else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            raise MicroBatchOOM(f"out of memory in a micro-batch ({oom or 'on another rank'})")
     if not forward_only:
         finalize_model_grads(chunks)
     return infos

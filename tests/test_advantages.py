@@ -197,7 +197,8 @@ def test_compute_advantage_dispatches_with_only_the_fields_each_estimator_takes(
     fields = dict(token_level_rewards=rand(12, B, T), values=rand(13, B, T),
                   response_mask=make_mask(8), group_index=GROUPS, reward_baselines=rand(14, B),
                   gamma=0.95, lam=0.9)
-    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+    for name, entry in ADVANTAGE_ESTIMATORS.items():
+        estimator = entry.fn
         got = compute_advantage(name, **fields)
         params = inspect.signature(estimator).parameters
         want = estimator(**{k: v for k, v in fields.items() if k in params})

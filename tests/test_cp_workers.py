@@ -80,7 +80,7 @@ def _grad_check(losses, want, h):
                 grad_scale=float(expected.abs().max()))
 
 
-def _case(packed, fused, gspo):
+def _case(packed, fused, gspo, kl=None):
     from engine.algorithms.losses import LossNormaliser, value_loss
     from engine.workers.actor import ActorWorker
     from engine.workers.base import make_micro_batch
@@ -91,7 +91,8 @@ def _case(packed, fused, gspo):
     init_mesh(Layout(), seed=1)
     hf = tiny_config("llama")
     gspo_kw = dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4, use_kl_loss=False)
-    actor_cfg, critic_cfg, model_cfg = _configs(**(gspo_kw if gspo else {}))
+    kl_kw = dict(kl_loss_type=kl, kl_loss_coef=0.5) if kl else {}
+    actor_cfg, critic_cfg, model_cfg = _configs(**(gspo_kw if gspo else kl_kw))
     model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed, use_fused_kernels=fused)
     actor = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     critic = CriticWorker(hf, critic_cfg, model_cfg, response_length=R)
@@ -108,6 +109,14 @@ def _case(packed, fused, gspo):
     batch["old_log_probs"] = reference + 0.3 * batch["noise"] * mask
     batch["ref_log_prob"] = reference - 0.5 * batch["noise"] * mask
     batch["values"] = batch["noise"] * mask
+    if kl:  # exact KL: a reference of other weights, its hidden states from its own pass
+        from engine.workers.actor import ReferenceWorker
+        ref = ReferenceWorker(hf, actor_cfg.megatron, model_cfg)
+        shapes = {s.global_name: s.global_shape for _, s in local_shards(ref.chunks)}
+        load_global(ref.chunks, lambda n: 1.1 * _weight_for(n, shapes[n]))
+        got = ref.forward_outputs(batch, micro_batch_size=3, with_hidden=True)
+        batch["ref_log_prob"], batch["ref_hidden"] = got["log_prob"], got["hidden"]
+        actor._ref_weight = got["output_weight"]
     norm = LossNormaliser.from_mask(batch["response_mask"], R)
     rows = list(range(B))
 
@@ -156,12 +165,13 @@ def _case(packed, fused, gspo):
     return out
 
 
-@pytest.mark.parametrize("packed,fused,gspo", [(True, True, False), (True, False, False),
-                                               (False, True, False), (True, False, True)],
-                         ids=["packed-single-pass", "packed-autograd", "rows-single-pass",
-                              "packed-gspo"])
-def test_cp_ranks_reproduce_the_unsplit_update(packed, fused, gspo):
-    [out] = run_on_ranks(_case, 1, packed, fused, gspo)
+@pytest.mark.parametrize("packed,fused,gspo,kl", [
+    (True, True, False, None), (True, False, False, None), (False, True, False, None),
+    (True, False, True, None), (True, True, False, "full"), (False, False, False, "full+")],
+    ids=["packed-single-pass", "packed-autograd", "rows-single-pass", "packed-gspo",
+         "packed-single-pass-full-kl", "rows-autograd-full+-kl"])
+def test_cp_ranks_reproduce_the_unsplit_update(packed, fused, gspo, kl):
+    [out] = run_on_ranks(_case, 1, packed, fused, gspo, kl)
     for cp in CPS:
         res = out[cp]
         assert res["local_tokens"]

@@ -226,3 +226,34 @@ def test_batch_fields_and_left_pad_collate(tokenizer):
     assert padded.tolist() == [[0, 0, 5]]
     with pytest.raises(ValueError, match="sequence 0 has 4 tokens > pad length 3"):
         left_pad([[1, 2, 3, 4]], 0, length=3)
+
+
+def test_prefetch_builds_the_next_batch_in_the_background_and_resumes_exactly(tokenizer):
+    """data.dataloader_num_workers: the same batches and positions as without it, while every
+    batch after the first was built by the prefetch thread."""
+    import threading
+
+    ds = _dataset(tokenizer)
+
+    class Recording:
+        def __init__(self):
+            self.threads = []
+
+        def __len__(self):
+            return len(ds)
+
+        def __getitem__(self, i):
+            self.threads.append(threading.current_thread().name)
+            return ds[i]
+
+    plain = PromptLoader(ds, batch_size=5, seed=3)
+    rec = Recording()
+    ahead = PromptLoader(rec, batch_size=5, seed=3, prefetch=1)
+    for step in range(9):  # crosses an epoch boundary (4 batches per epoch)
+        assert ahead.next_batch().indices == plain.next_batch().indices
+        assert ahead.state_dict() == plain.state_dict()
+    assert rec.threads[:5] == ["MainThread"] * 5  # only the first batch on the caller's thread
+    assert set(rec.threads[5:]) and all(t.startswith("prefetch") for t in rec.threads[5:])
+    resumed = PromptLoader(ds, batch_size=5, seed=3, prefetch=1)
+    resumed.load_state_dict(ahead.state_dict())
+    assert resumed.next_batch().indices == plain.next_batch().indices

@@ -131,3 +131,22 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
     assert a.keys() == b.keys() and a
     import torch
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exact_kl_loss_and_reward_train(tmp_path):
+    """kl_loss_type=full (the reference's hidden states kept from its pass, linear_full_kl in the
+    actor's loss) and the exact KL in the reward (kl_penalty=full: the reference pass runs
+    first, the old-log-prob pass computes it) through torchrun: finite metrics, and a KL > 0
+    once the actor has moved away from the reference (it starts as a copy of it)."""
+    _, records = _run(tmp_path, "full_kl", [
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full",
+        "actor_rollout_ref.actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=full", "trainer.save_freq=-1", "trainer.test_freq=-1"], steps=2)
+    assert [r["step"] for r in records] == [1, 2]
+    import math
+    for r in records:
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
+    # step 1's first mini-batch is the reference itself (KL 0); the second one is not
+    assert records[0]["actor/kl_loss"] >= 0 and records[1]["actor/kl_loss"] > 0
+    assert records[0]["actor/reward_kl_penalty"] == 0 < records[1]["actor/reward_kl_penalty"]

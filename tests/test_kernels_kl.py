@@ -147,3 +147,82 @@ def test_full_kl_tensor_parallel():
         torch.testing.assert_close(kl, want[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(d_h, want[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.cat([r[2] for r in results]), want[2], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# full / full+ through kl_penalty, as the actor uses them: the kernels against full-logit
+# autograd (full+: the exact KL's value, the gradient of k2 on the sampled token)
+
+def _kind_inputs(seed):
+    h, w, rh, rw, coef = _full_inputs(seed=seed)
+    labels = torch.randint(0, w.shape[0], (h.shape[0],), generator=torch.Generator().manual_seed(seed))
+    return h, w, rh, rw, coef, labels
+
+
+def _explicit_kind(kind, h, w, rh, rw, coef, labels, temperature):
+    """Value and (d hidden, d weight) from full logits; the reference is a constant."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logp = torch.log_softmax(h @ w.t() / temperature, -1)
+    logq = torch.log_softmax(rh @ rw.t() / temperature, -1)
+    exact = (logp.exp() * (logp - logq)).sum(-1)
+    r = (logp - logq).gather(1, labels[:, None]).squeeze(1)
+    objective = exact if kind == "full" else 0.5 * r * r
+    (objective * coef).sum().backward()
+    return exact.detach(), h.grad, w.grad
+
+
+def _kernel_kind(kind, h, w, rh, rw, coef, labels, temperature, tp_group=None):
+    """The actor's path: sampled log-probs from the fused kernel, the exact KL from
+    linear_full_kl (forward only for full+), combined by kl_penalty."""
+    from kernels.logprob import linear_logprob_entropy
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    rh, rw = rh.clone().requires_grad_(), rw.clone().requires_grad_()  # must get no gradient
+    lp, _ = linear_logprob_entropy(h, w, labels, temperature, tp_group, chunk_tokens=5,
+                                   compute_entropy=False)
+    with torch.no_grad():
+        ref_lp, _ = linear_logprob_entropy(rh, rw, labels, temperature, tp_group,
+                                           compute_entropy=False)
+    with torch.set_grad_enabled(kind == "full"):
+        exact = linear_full_kl(h, w, rh, rw, temperature, tp_group, chunk_tokens=6)
+    kl = kl_penalty(lp, ref_lp, kind, full_kl=exact)
+    (kl * coef).sum().backward()
+    assert rh.grad is None and rw.grad is None
+    return kl.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("kind", ["full", "full+"])
+def test_full_kinds_match_full_logit_autograd(kind):
+    h, w, rh, rw, coef, labels = _kind_inputs(seed=2)
+    got = _kernel_kind(kind, h, w, rh, rw, coef, labels, 0.9)
+    want = _explicit_kind(kind, h, w, rh, rw, coef, labels, 0.9)
+    assert (got[0] > 0).all()
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def _full_kinds_tp_worker(kind):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    h, w, rh, rw, coef, labels = _kind_inputs(seed=7)
+    rows = slice(rank * w.shape[0] // world, (rank + 1) * w.shape[0] // world)
+    return _kernel_kind(kind, h, w[rows], rh, rw[rows], coef, labels, 1.1, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("kind", ["full", "full+"])
+def test_full_kinds_tensor_parallel(kind):
+    results = run_on_ranks(_full_kinds_tp_worker, 2, kind)
+    h, w, rh, rw, coef, labels = _kind_inputs(seed=7)
+    want = _explicit_kind(kind, h, w, rh, rw, coef, labels, 1.1)
+    for kl, d_h, _ in results:
+        torch.testing.assert_close(kl, want[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(d_h, want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([r[2] for r in results]), want[2], rtol=1e-4, atol=1e-5)
+
+
+def test_full_kinds_need_the_exact_kl():
+    logprob, ref = _log_probs()
+    for kind in ("full", "full+"):
+        with pytest.raises(ValueError, match="linear_full_kl"):
+            kl_penalty(logprob, ref, kind)
+        with pytest.raises(ValueError, match="full_kl shape"):
+            kl_penalty(logprob, ref, kind, full_kl=torch.zeros(3))

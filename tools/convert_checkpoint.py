@@ -90,10 +90,11 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
     hf_config = hf_io.load_config(hf_dir)
     arch_spec(hf_config)  # unsupported architectures fail here, before any work
     index = hf_io.read_index(hf_dir)
-    hf_io.validate_checkpoint(hf_config, index)
+    hf_io.validate_checkpoint(hf_config, index, hf_io.head_of(hf_config))
     init_mesh(layout)
     dtype = _torch_dtype(params_dtype, hf_config)
-    chunks = build_model(hf_config, params_dtype=dtype, sequence_parallel=layout.sequence_parallel)
+    chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=dtype,
+                         sequence_parallel=layout.sequence_parallel)
     hf_io.load_hf_weights(chunks, hf_dir, hf_config)
     _log(f"loaded {len(index)} HF tensors from {hf_dir}")
     tmp = _shared_tmp_dir(out_dir)
@@ -128,7 +129,7 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
     from engine.models.builder import build_model
     from parallel.mesh import init_mesh
 
-    from engine.checkpoint import check_model_matches
+    from engine.checkpoint_state import check_model_matches
 
     meta_path = os.path.join(ckpt_dir, META_FILE)
     if not os.path.isdir(ckpt_dir) or not os.path.exists(os.path.join(ckpt_dir, "metadata.json")):
@@ -142,7 +143,9 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
         raise UsageError(f"--out: {error}")
     init_mesh(layout)
     params_dtype = _torch_dtype(meta.get("params_dtype", "auto"), hf_config)
-    chunks = build_model(hf_config, params_dtype=params_dtype, sequence_parallel=layout.sequence_parallel)
+    # a sequence-classification config (a trained reward model) builds the value head
+    chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=params_dtype,
+                         sequence_parallel=layout.sequence_parallel)
     check_model_matches(chunks, ckpt_dir, fix="pass --hf-config with the config of the model it was "
                         "saved from")
     state = dist_checkpointing.load(_state_dict_of(chunks), ckpt_dir)
@@ -385,7 +388,7 @@ def _prepare(args):
     if args.command == "hf-to-mcore":
         hf_config = hf_io.load_config(args.hf)
         arch_spec(hf_config)  # unsupported architectures / RoPE fail here
-        hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf))
+        hf_io.validate_checkpoint(hf_config, hf_io.read_index(args.hf), hf_io.head_of(hf_config))
     elif args.command == "mcore-to-hf":
         hf_config = hf_io.load_config(_hf_config_dir(args))
         arch_spec(hf_config)

@@ -34,6 +34,10 @@ pipeline stage holds min(PP, micro-batches) micro-batches in flight under 1F1B (
 the largest parameter's gradient (autograd makes it before Megatron's hook accumulates it).
 Logits are never materialised (kernels/logprob.py): the last stage holds the final hidden
 states, its fp32 gradient, the output-weight gradient and the kernel's chunk buffers.
+The exact KL (kl_loss_type / kl_penalty full, full+) keeps the reference's hidden states at
+every response token of the rank's batch in host memory (`host`) and adds to the pass that
+computes it the reference's weight shard, a micro-batch of those states and a chunk of both
+models' logits (`full_kl_bytes`).
 
 The rollout engine (SGLang) takes gpu_memory_utilization x GPU memory while it generates; the
 training state that is not offloaded (param/grad/optimizer_offload) stays beside it. A layout
@@ -54,6 +58,7 @@ if ROOT not in sys.path:
 from engine.config import ConfigError, apply_override, derive, load_config  # noqa: E402
 from engine.config.phases import PHASES, ROLLOUT_PHASES, RUNS  # noqa: E402
 from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
+from kernels.kl import FULL_KL_KINDS  # noqa: E402
 
 STATE_KEYS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
 
@@ -226,6 +231,23 @@ def head_bytes(s: Shape, tokens: int, tp: int, device: str, param_bytes: int, he
     return tokens * s.h * (param_bytes + 4) + v_local * s.h * param_bytes + buffers
 
 
+def full_kl_bytes(s: Shape, c, lay, tokens: int, device: str, pbytes: int):
+    """(host, device) bytes of the exact KL on a last-stage rank: the reference's final hidden
+    states at every response token of the rank's batch (whole on every TP and CP rank) and a
+    copy of its output-weight shard, held from the reference pass to the actor update; on the
+    device while the KL runs, that shard, a micro-batch of the states and one chunk of both
+    models' logits (kernels/kl.py: half the log-prob chunk each, matmul dtype + fp32 + aux)."""
+    from kernels.logprob import default_chunk_tokens
+
+    v_local = s.vocab // lay.tp
+    weight = v_local * s.h * pbytes
+    seqs = c.data.train_batch_size * c.actor_rollout_ref.rollout.n // lay.dp
+    host = seqs * c.data.max_response_length * s.h * pbytes + weight
+    chunk = min(tokens, max(1, default_chunk_tokens(v_local, device) // 2))
+    buffers = 2 * chunk * v_local * (pbytes + (4 if pbytes != 4 else 0) + 4)
+    return host, weight + tokens * s.h * pbytes + buffers
+
+
 # --------------------------------------------------------------------------------------------
 # Estimate
 # --------------------------------------------------------------------------------------------
@@ -320,6 +342,16 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
         rshape = shape_of(hf_config_of(c.reward_model.model))
         models["reward_model"] = model_memory(rshape, c.reward_model.megatron, lay, head="value",
                                               tokens=log_prob_tokens, n_micro=1, train=False, device=device)
+    host = {}
+    in_loss = arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS
+    in_reward = c.algorithm.use_kl_in_reward and c.algorithm.kl_penalty in FULL_KL_KINDS
+    if in_loss or in_reward:
+        pbytes = DTYPE_BYTES[arr.actor.megatron.params_dtype] if device == "cuda" else 4
+        host["ref_hidden"], extra = full_kl_bytes(shape, c, lay, math.ceil(tokens["actor"] / lay.cp),
+                                                  device, pbytes)
+        actor = models["actor"]
+        actor["activations" if in_loss else "forward_activations"] += extra  # update | old pass
+        actor["total"] += extra if in_loss else 0
     capacity = gpu_mem_gib * GIB - (RESERVE_GIB * GIB if device == "cuda" else 0)
     rollout_share = arr.rollout.gpu_memory_utilization * gpu_mem_gib * GIB if device == "cuda" else 0.0
     rollout = rollout_plan(c, world_size, shape, rollout_share, device)
@@ -336,6 +368,7 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
                             dp=lay.dp, expert_dp=lay.expert_dp,
                             sequence_parallel=bool(arr.actor.megatron.sequence_parallel)),
                 models=models, phases=phases, peak_phase=peak_phase, schedule=d.phases.table(),
+                host=host,
                 total_params=counts.total, active_params=counts.active,
                 training_peak=training, rollout_share=rollout_share,
                 rollout_phase=rollout_phase, capacity=capacity, free=free, fits=free >= 0)
@@ -484,7 +517,7 @@ def _gib(x):
 
 _BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "forward_activations", "total",
               "training_peak", "rollout_share", "rollout_phase", "capacity", "free", "weights_per_gpu",
-              "kv_cache_per_gpu", "phases")
+              "kv_cache_per_gpu", "phases", "ref_hidden")
 
 
 def _in_gib(value, key=None, parent=None):
@@ -519,6 +552,9 @@ def _report(e):
         rollout = "+".join(e["schedule"][phase]["rollout"]) or "-"
         mark = "  <- peak" if phase == e["peak_phase"] else ""
         lines.append(f"    {phase:13s} {value / GIB:8.2f}   [{held}; rollout {rollout}]{mark}")
+    if e["host"]:
+        lines.append(f"  host memory per last-stage rank: reference hidden states + weight shard "
+                     f"(exact KL) {_gib(e['host']['ref_hidden'])}")
     lines += [f"  capacity       {_gib(e['capacity'])}  free {_gib(e['free'])}  -> "
               f"{'fits' if e['fits'] else 'DOES NOT FIT'}"]
     return "\n".join(lines)

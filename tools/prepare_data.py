@@ -3,11 +3,19 @@
     python tools/prepare_data.py --input gsm8k_train.jsonl --output data/gsm8k/train.parquet
     python tools/prepare_data.py --builtin arith --out-dir data/arith [--difficulty 0]
     python tools/prepare_data.py --reasoning-gym basic_arithmetic --out-dir data/rg_arith
+    python tools/prepare_data.py --pairs --builtin arith --out-dir data/arith_pairs
+    python tools/prepare_data.py --pairs --input pairs.jsonl --output data/pairs.parquet
 
 GSM8K-style JSONL has one {"question": ..., "answer": "... #### 42"} per line. Each row becomes a
 chat prompt with the step-by-step instruction, reward_model.ground_truth = the number after
 "####", data_source "openai/gsm8k". `--builtin` writes train/val parquet of a task from
 engine/tasks.py and saves its tokenizer under OUT_DIR/tokenizer.
+
+`--pairs` writes preference pairs (trainer.task reward_model / dpo) instead: from `--builtin
+arith` (chosen = the correct answer, rejected = a wrong one) or from a JSONL of {"prompt",
+"chosen", "rejected", ...} records (text or chat messages; other fields such as a margin are
+kept). Empty and identical pairs are dropped and counted; over-long ones are the loader's
+business (data.truncation), as it knows the tokenizer and the length limits.
 """
 import argparse
 import difflib
@@ -130,6 +138,35 @@ def _write_all(out_dir, write):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_pairs(args, parser):
+    from engine.offline.data import arith_pairs, jsonl_pairs, write_preference_parquet
+    if args.builtin:
+        if args.builtin != "arith" or not args.out_dir:
+            parser.error("--pairs --builtin supports arith, with --out-dir")
+        _check_out_dir(args.out_dir)
+
+        def write(folder):
+            from engine import tasks
+            for split, n in (("train", args.n_train), ("val", args.n_val)):
+                write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split),
+                                         os.path.join(folder, f"{split}.parquet"))
+            tasks.save_tokenizer(os.path.join(folder, "tokenizer"))
+        _write_all(args.out_dir, write)
+        print(f"wrote {args.n_train} train / {args.n_val} val arith pairs to {args.out_dir}")
+    elif args.input and args.output:
+        require_file(args.input, "--input", "pass a JSONL file of {prompt, chosen, rejected} records")
+        try:
+            rows, dropped = jsonl_pairs(args.input)
+            write_preference_parquet(rows, args.output)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{args.input}: not UTF-8 text (byte {e.start}); save the JSONL as UTF-8") from None
+        except ValueError as e:  # engine/offline/data.py: a malformed line or column, named
+            raise DataError(str(e)) from None
+        print(f"wrote {len(rows)} pairs to {args.output}; dropped {json.dumps(dropped)}")
+    else:
+        parser.error("--pairs needs --builtin arith --out-dir DIR, or --input X.jsonl --output Y.parquet")
+
+
 def main(argv=None):
     return run_main(_main, argv)
 
@@ -149,7 +186,11 @@ def _main(argv=None):
                         help="write a reasoning-gym task (e.g. basic_arithmetic) to --out-dir")
     parser.add_argument("--task-kwargs", default="{}",
                         help="JSON of the reasoning-gym generator's settings")
+    parser.add_argument("--pairs", action="store_true",
+                        help="write preference pairs (reward model / DPO data)")
     args = parser.parse_args(argv)
+    if args.pairs:
+        return write_pairs(args, parser)
     if args.reasoning_gym:
         if not args.out_dir:
             parser.error("--reasoning-gym needs --out-dir")

@@ -11,9 +11,13 @@ baseline, so its advantage is its raw score, never NaN.
 
 `compute_advantage(name, **fields)` dispatches by the config name
 (`algorithm.adv_estimator`) to `ADVANTAGE_ESTIMATORS[name]`, passing only the fields that
-estimator takes.
+estimator takes. Each estimator registers itself (`register_advantage`) with what the config
+needs to know: whether it compares the n responses of a prompt (rollout.n >= 2) and whether it
+needs a critic's values.
 """
 import inspect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,8 +25,25 @@ __all__ = [
     "masked_mean", "masked_var", "masked_whiten",
     "compute_gae", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_advantage", "compute_reinforce_plus_plus_baseline_advantage",
-    "compute_remax_advantage", "ADVANTAGE_ESTIMATORS", "compute_advantage",
+    "compute_remax_advantage", "ADVANTAGE_ESTIMATORS", "compute_advantage", "register_advantage",
 ]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable
+    group: bool = False   # compares the responses to one prompt: needs rollout.n >= 2
+    critic: bool = False  # needs the critic's values
+
+
+ADVANTAGE_ESTIMATORS: dict = {}  # algorithm.adv_estimator -> Estimator
+
+
+def register_advantage(name, group=False, critic=False):
+    def add(fn):
+        ADVANTAGE_ESTIMATORS[name] = Estimator(fn, group, critic)
+        return fn
+    return add
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +132,7 @@ def _sequence_scores(token_level_rewards, response_mask):
 # estimators
 # ---------------------------------------------------------------------------------------------
 
+@register_advantage("gae", critic=True)
 @torch.no_grad()
 def compute_gae(token_level_rewards, values, response_mask, gamma, lam):
     """Generalised advantage estimation (Schulman et al. 2016).
@@ -137,6 +159,7 @@ def compute_gae(token_level_rewards, values, response_mask, gamma, lam):
     return masked_whiten(advantages, mask), returns
 
 
+@register_advantage("grpo", group=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, group_index,
                                    norm_adv_by_std_in_grpo=True, epsilon=1e-6):
@@ -158,6 +181,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, group_ind
     return advantages, advantages
 
 
+@register_advantage("rloo", group=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_index):
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline within the group.
@@ -188,6 +212,7 @@ def _discounted_returns(token_level_rewards, response_mask, gamma):
     return returns * mask
 
 
+@register_advantage("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma):
     """REINFORCE++ (Hu 2025): discounted token returns, whitened over the whole batch.
@@ -199,6 +224,7 @@ def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, ga
     return masked_whiten(returns, response_mask), returns
 
 
+@register_advantage("reinforce_plus_plus_baseline", group=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask,
                                                    group_index):
@@ -214,6 +240,7 @@ def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response
     return advantages, advantages
 
 
+@register_advantage("remax")
 @torch.no_grad()
 def compute_remax_advantage(token_level_rewards, reward_baselines, response_mask):
     """ReMax (Li et al. 2023): undiscounted return-to-go minus the greedy response's reward.
@@ -230,14 +257,6 @@ def compute_remax_advantage(token_level_rewards, reward_baselines, response_mask
     return advantages, returns
 
 
-ADVANTAGE_ESTIMATORS = {
-    "gae": compute_gae,
-    "grpo": compute_grpo_outcome_advantage,
-    "rloo": compute_rloo_outcome_advantage,
-    "reinforce_plus_plus": compute_reinforce_plus_plus_advantage,
-    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_advantage,
-    "remax": compute_remax_advantage,
-}
 
 
 def compute_advantage(name, **fields):
@@ -250,7 +269,7 @@ def compute_advantage(name, **fields):
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; set algorithm.adv_estimator to "
                          f"one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    estimator = ADVANTAGE_ESTIMATORS[name]
+    estimator = ADVANTAGE_ESTIMATORS[name].fn
     params = inspect.signature(estimator).parameters
     missing = [p for p, spec in params.items()
                if spec.default is inspect.Parameter.empty and p not in fields]

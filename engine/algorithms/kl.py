@@ -18,11 +18,11 @@ out when it leaves `warn_range`. Its coefficient is trainer state, saved and res
 """
 import logging
 
-from kernels.kl import KL_KINDS, kl_penalty, linear_full_kl
+from kernels.kl import FULL_KL_KINDS, KL_KINDS, kl_penalty, linear_full_kl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FixedKLController",
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FULL_KL_KINDS", "FixedKLController",
            "AdaptiveKLController", "make_kl_controller", "KLGuard"]
 
 ADAPTIVE_CLIP = 0.2

@@ -20,18 +20,51 @@ micro-batches and ranks to the mini-batch value.
 Shapes: token tensors are (batch, response_len); `response_mask` is 1 on tokens that count.
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 __all__ = [
-    "LOSS_AGG_MODES", "LossNormaliser", "agg_loss", "policy_loss", "policy_loss_gspo",
-    "value_loss", "entropy_bonus", "kl_loss", "apply_kl_penalty", "policy_token_losses",
-    "token_weights",
+    "LOSS_AGG_MODES", "POLICY_LOSSES", "LossNormaliser", "agg_loss", "policy_loss",
+    "policy_loss_gspo", "value_loss", "entropy_bonus", "kl_loss", "apply_kl_penalty",
+    "policy_token_losses", "token_weights", "register_policy_loss",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+# loss_agg_mode -> a row's loss from (its token sum, its token count, the response length), or
+# None for token-mean (one sum over every token); the seq-* modes then average over sequences
+LOSS_AGG_MODES: dict = {
+    "token-mean": None,
+    "seq-mean-token-sum": lambda sums, counts, length: sums,
+    "seq-mean-token-mean": lambda sums, counts, length: sums / counts.clamp_min(1),
+    "seq-mean-token-sum-norm": lambda sums, counts, length: sums / length,
+}
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A policy loss: `loss(log_prob, old, adv, mask, cfg, loss_agg_mode, normaliser)` ->
+    (pg_loss, metrics); `token_terms(lp, old_lp, adv, cfg)` when it is a weighted sum of
+    per-token terms (each token's term depends on its own log-prob only), which lets the actor
+    fuse it into the log-prob kernel (kernels.logprob.linear_token_loss)."""
+    loss: Callable
+    token_terms: Optional[Callable] = None
+
+
+POLICY_LOSSES: dict = {}  # actor.policy_loss -> PolicyLoss
+
+
+def register_policy_loss(name, token_terms=None):
+    """Decorator: `actor_rollout_ref.actor.policy_loss=<name>` selects this loss."""
+    def add(fn):
+        POLICY_LOSSES[name] = PolicyLoss(fn, token_terms)
+        return fn
+    return add
+
+
+def _agg_mode(loss_agg_mode):
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {tuple(LOSS_AGG_MODES)}")
+    return LOSS_AGG_MODES[loss_agg_mode]
 
 # exp() of a log-ratio beyond this overflows or dominates the batch; clamp before exp
 MAX_LOG_RATIO = 20.0
@@ -91,19 +124,13 @@ def agg_loss(loss_mat, mask, loss_agg_mode, global_token_count=None, global_seq_
     mask = mask.bool()
     # where, not multiply: padding may hold inf/NaN (e.g. -inf log-probs) and inf * 0 is NaN
     token_sums = torch.where(mask, loss_mat, torch.zeros_like(loss_mat)).sum(dim=-1)
-    if loss_agg_mode == "token-mean":
+    row_loss = _agg_mode(loss_agg_mode)
+    if row_loss is None:
         count = mask.sum() if global_token_count is None else global_token_count
         return token_sums.sum() / _at_least_one(count)
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {LOSS_AGG_MODES}")
     token_counts = mask.sum(dim=-1).to(loss_mat.dtype)
-    if loss_agg_mode == "seq-mean-token-sum":
-        seq_losses = token_sums
-    elif loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = token_sums / token_counts.clamp_min(1)
-    else:
-        seq_losses = token_sums / (loss_mat.shape[-1] if max_response_len is None
-                                   else max_response_len)
+    seq_losses = row_loss(token_sums, token_counts,
+                          loss_mat.shape[-1] if max_response_len is None else max_response_len)
     count = (token_counts > 0).sum() if global_seq_count is None else global_seq_count
     return seq_losses.sum() / _at_least_one(count)
 
@@ -160,20 +187,34 @@ def token_weights(response_mask, loss_agg_mode, global_token_count=None, global_
     every aggregation mode is a weighted token sum once the counts are fixed (0 off the mask)."""
     mask = response_mask.bool()
     ones = mask.to(torch.float32)
-    if loss_agg_mode == "token-mean":
+    row_loss = _agg_mode(loss_agg_mode)
+    if row_loss is None:
         count = mask.sum() if global_token_count is None else global_token_count
         return ones / _at_least_one(count)
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; use one of {LOSS_AGG_MODES}")
     token_counts = ones.sum(dim=-1, keepdim=True)
-    if loss_agg_mode == "seq-mean-token-sum":
-        per_seq = ones
-    elif loss_agg_mode == "seq-mean-token-mean":
-        per_seq = ones / token_counts.clamp_min(1)
-    else:
-        per_seq = ones / (ones.shape[-1] if max_response_len is None else max_response_len)
+    per_seq = row_loss(ones, token_counts, ones.shape[-1] if max_response_len is None else max_response_len)
     count = (token_counts > 0).sum() if global_seq_count is None else global_seq_count
     return per_seq / _at_least_one(count)
+
+
+def _vanilla_token_terms(lp, old_lp, adv, cfg):
+    return policy_token_losses(lp, old_lp, adv, cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high,
+                               cfg.clip_ratio_c)[0]
+
+
+@register_policy_loss("vanilla", token_terms=_vanilla_token_terms)
+def _vanilla(log_prob, old, adv, mask, cfg, loss_agg_mode, normaliser):
+    """PPO clip with clip-higher (clip_ratio_low / high) and dual-clip (clip_ratio_c)."""
+    return policy_loss(log_prob, old, adv, mask, clip_ratio=cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
+                       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                       loss_agg_mode=loss_agg_mode, normaliser=normaliser)
+
+
+@register_policy_loss("gspo")  # a sequence-level ratio: not a sum of per-token terms
+def _gspo(log_prob, old, adv, mask, cfg, loss_agg_mode, normaliser):
+    return policy_loss_gspo(log_prob, old, adv, mask, clip_ratio_low=cfg.clip_ratio_low,
+                            clip_ratio_high=cfg.clip_ratio_high, loss_agg_mode=loss_agg_mode,
+                            normaliser=normaliser)
 
 
 def policy_loss(log_prob, old_log_prob, advantages, response_mask, clip_ratio=0.2,
@@ -268,20 +309,24 @@ def entropy_bonus(entropy, response_mask, loss_agg_mode="token-mean", normaliser
 
 
 def kl_loss(log_prob, ref_log_prob, response_mask, kl_loss_type="low_var_kl",
-            loss_agg_mode="token-mean", normaliser=None):
+            loss_agg_mode="token-mean", normaliser=None, full_kl=None):
     """KL to the reference policy as a loss term (actor_rollout_ref.actor.use_kl_loss):
-    agg(kl_penalty(logp, ref_logp, kl_loss_type)). The actor adds `kl_loss_coef * kl_loss`."""
+    agg(kl_penalty(logp, ref_logp, kl_loss_type)). The actor adds `kl_loss_coef * kl_loss`.
+    full / full+ take the exact per-token KL as `full_kl` (kernels.kl.linear_full_kl)."""
     from engine.algorithms.kl import kl_penalty  # sibling module, written separately
 
-    kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type)
+    kld = kl_penalty(log_prob, ref_log_prob, kl_loss_type, full_kl=full_kl)
     return agg_loss(kld, response_mask, loss_agg_mode, **_normaliser_kwargs(normaliser))
 
 
 @torch.no_grad()
 def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, kl_coef,
-                     kl_penalty_kind="kl"):
+                     kl_penalty_kind="kl", full_kl=None):
     """KL in the reward (algorithm.use_kl_in_reward):
         rewards_t = scores_t - kl_coef * kl_penalty(old_logp_t, ref_logp_t) * mask_t
+
+    full / full+ (the same here: a reward has no gradient) take the exact per-token
+    KL(pi_old || ref) as `full_kl`.
 
     Returns (token_level_rewards, metrics): `actor/reward_kl_penalty` is the batch mean of
     each row's token-mean KL (what the adaptive KL controller is updated with) and
@@ -290,7 +335,7 @@ def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_ma
     from engine.algorithms.kl import kl_penalty  # sibling module, written separately
 
     mask = response_mask.to(token_level_scores.dtype)
-    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_kind)
+    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_kind, full_kl=full_kl)
     kld = torch.where(mask > 0, kld, torch.zeros_like(kld))  # padding may hold inf
     rewards = token_level_scores - kl_coef * kld
     row_kl = kld.sum(-1) / mask.sum(-1).clamp_min(1)

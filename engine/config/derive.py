@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from engine.config.phases import phase_schedule
-from engine.config.schema import TridentConfig
+from parallel.mesh import Layout
+from engine.config.schema import CRITIC_ESTIMATORS, TridentConfig
 from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_topology_of,
                                     sglang_test_double, validate, validate_layout)
 
@@ -16,16 +18,28 @@ from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Layout:
-    world_size: int
-    tp: int
-    pp: int
-    vpp: Optional[int]
-    cp: int
-    ep: int
-    etp: int
-    dp: int  # world / (TP x PP x CP)
-    expert_dp: int  # world / (PP x EP x ETP)
+class Split:
+    """How a rank cuts its rows into micro-batches: a sequence count, or a token budget
+    (dynamic batching)."""
+    micro_batch_size: Optional[int] = None
+    max_tokens: Optional[int] = None
+
+    def kwargs(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens}
+
+
+def update_split(section) -> Split:
+    """The update's micro-batches of an actor / critic section (ppo_* keys)."""
+    if section.use_dynamic_bsz:
+        return Split(max_tokens=section.ppo_max_token_len_per_gpu)
+    return Split(micro_batch_size=section.ppo_micro_batch_size_per_gpu)
+
+
+def forward_split(section) -> Split:
+    """A forward-only pass's micro-batches (rollout / ref log_prob_* keys, resolved)."""
+    if section.log_prob_use_dynamic_bsz:
+        return Split(max_tokens=section.log_prob_max_token_len_per_gpu)
+    return Split(micro_batch_size=section.log_prob_micro_batch_size_per_gpu)
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class BatchPlan:
     grad_accum_steps: Optional[int]  # micro-batches per mini-batch per rank; None with dynamic bsz
     mini_batches_per_epoch: int
     ppo_epochs: int
+    update: Split = Split()  # micro-batches of an optimizer step
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,9 @@ class Derived:
     use_reference: bool  # a KL term (loss or in-reward) needs reference log-probs
     actor: BatchPlan
     critic: Optional[BatchPlan]
+    # forward-only passes by model: actor (old log-probs) and critic (values) follow the rollout
+    # section's log_prob_* keys, ref its own, reward_model its micro_batch_size_per_gpu
+    forward: dict = dataclasses.field(default_factory=dict)
     rollout_topology: Any = None  # engine.rollout.topology.RolloutTopology: engines, leaders, GPUs
     phases: Any = None  # engine.config.phases.PhaseSchedule: what is on the device in each phase
 
@@ -118,7 +136,7 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
                   "set the per-rank log-prob micro-batch, or log_prob_use_dynamic_bsz=true")
     actor.clip_ratio_low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
     actor.clip_ratio_high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
-    critic.enable = out.algorithm.adv_estimator == "gae" if critic.enable is None else critic.enable
+    critic.enable = out.algorithm.adv_estimator in CRITIC_ESTIMATORS if critic.enable is None else critic.enable
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
@@ -150,10 +168,7 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
     layout = Layout(world_size=world_size, tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                     vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                    dp=world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-                                      * m.context_parallel_size),
-                    expert_dp=world_size // (m.pipeline_model_parallel_size * m.expert_model_parallel_size
-                                             * m.expert_tensor_parallel_size))
+                    sequence_parallel=bool(m.sequence_parallel))
     rollout_batch = data.train_batch_size * rollout.n
     if rollout_batch % layout.dp:
         _fail("data.train_batch_size", data.train_batch_size,
@@ -166,6 +181,8 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
         use_reference=actor.use_kl_loss or out.algorithm.use_kl_in_reward,
         actor=_batch_plan(actor, "actor_rollout_ref.actor", out, layout.dp),
         critic=_batch_plan(critic, "critic", out, layout.dp) if critic.enable else None,
+        forward={"actor": forward_split(rollout), "critic": forward_split(rollout), "ref": forward_split(arr.ref),
+                 "reward_model": Split(micro_batch_size=out.reward_model.micro_batch_size_per_gpu)},
         rollout_topology=rollout_topology_of(out, world_size),
         phases=phase_schedule(out, critic.enable, actor.use_kl_loss or out.algorithm.use_kl_in_reward))
 
@@ -189,5 +206,5 @@ def _batch_plan(section: Any, p: str, cfg: TridentConfig, dp: int) -> BatchPlan:
     return BatchPlan(mini_batch_size=mini, mini_batch_size_per_rank=per_rank, micro_batch_size_per_rank=micro,
                      grad_accum_steps=None if micro is None else per_rank // micro,
                      mini_batches_per_epoch=cfg.data.train_batch_size // section.ppo_mini_batch_size,
-                     ppo_epochs=section.ppo_epochs)
+                     ppo_epochs=section.ppo_epochs, update=update_split(section))
 

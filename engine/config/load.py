@@ -1,19 +1,24 @@
 """Loading: YAML (1.2 floats) and dotted `key=value` overrides onto the typed schema."""
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
+import logging
+import operator
+import os
 import difflib
 import functools
-import os
 import re
 import typing
 from typing import Any, Literal, Optional
 
 import yaml
 
-from engine.config.schema import MOVED_KEYS, ConfigError, TridentConfig, _join
+from engine.config.schema import ALIASES, MOVED_KEYS, ConfigError, TridentConfig, _join
 from engine.config.validate import validate
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,7 +126,17 @@ def apply_override(cfg: TridentConfig, override: str) -> None:
     _set_path(cfg, key.split("."), value, "")
 
 
-def _merge(obj: Any, data: Any, prefix: str) -> None:
+def _alias(key: str):
+    """The schema path a verl alias stands for (engine.config.schema.ALIASES), with a note."""
+    target, note = ALIASES[key]
+    if os.environ.get("RANK", "0") == "0":  # one note per job, not per rank
+        log.warning("config: %s is verl's name; %s (read as %s)", key, note, target)
+    return target
+
+
+def _merge(obj: Any, data: Any, prefix: str, root: Any = None) -> None:
+    """`root`: the whole config (an alias may point into another section)."""
+    root = obj if root is None else root
     if data is None:  # an empty YAML section (`critic:`) keeps its defaults
         return
     if not isinstance(data, dict):
@@ -129,24 +144,31 @@ def _merge(obj: Any, data: Any, prefix: str) -> None:
                           f"{type(obj).__name__} keys")
     for name, value in data.items():
         key = _join(prefix, str(name))
+        if key in ALIASES:
+            _set_path(root, _alias(key).split("."), value, "")
+            continue
         tp = _field_type(type(obj), str(name), key)
         if dataclasses.is_dataclass(tp):
-            _merge(getattr(obj, name), value, key)
+            _merge(getattr(obj, name), value, key, root)
         else:
             setattr(obj, name, _convert(value, tp, key))
 
 
-def _set_path(obj: Any, parts: list[str], value: Any, prefix: str) -> None:
+def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, root: Any = None) -> None:
+    root = obj if root is None else root
     name, rest = parts[0], parts[1:]
     key = _join(prefix, name)
+    if not prefix and ".".join(parts) in ALIASES:
+        parts = _alias(".".join(parts)).split(".")
+        name, rest, key = parts[0], parts[1:], parts[0]
     tp = _field_type(type(obj), name, key)
     if not rest:
         if dataclasses.is_dataclass(tp):
-            _merge(getattr(obj, name), value, key)
+            _merge(getattr(obj, name), value, key, root)
         else:
             setattr(obj, name, _convert(value, tp, key))
     elif dataclasses.is_dataclass(tp):
-        _set_path(getattr(obj, name), rest, value, key)
+        _set_path(getattr(obj, name), rest, value, key, root)
     elif _strip_optional(tp) is dict:  # free-form dicts (model.config, override_config) take sub-keys
         new = copy.deepcopy(getattr(obj, name)) or {}
         node = new
@@ -225,9 +247,38 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_ARITHMETIC = re.compile(r"[0-9][0-9_.eE\s+\-*/()]*")
+
+
+def _arithmetic(text: str, key: str, want: type):
+    """`4096*3`-style integer (or float) arithmetic in a numeric key: + - * // / ( ) only."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv}
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+        raise ValueError(node)
+    try:
+        result = ev(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        raise ConfigError(f"{key}={text!r}: not a number; write a number or integer arithmetic with "
+                          f"+ - * // and parentheses, e.g. 4096*3") from None
+    if want is int and not (isinstance(result, int) or float(result).is_integer()):
+        raise ConfigError(f"{key}={text!r} = {result} is not an integer; use // for integer division")
+    return int(result) if want is int else float(result)
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; ints become floats for float keys."""
+    """Check `value` against the annotation `tp`; ints become floats for float keys; `4096*3`
+    arithmetic is evaluated for numeric keys."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp in (int, float) and isinstance(value, str) and _ARITHMETIC.fullmatch(value.strip()):
+        return _arithmetic(value.strip(), key, tp)
     if tp is Any:
         return copy.deepcopy(value)
     if origin is typing.Union:
@@ -254,7 +305,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
           str: lambda v: isinstance(v, str),
           dict: lambda v: isinstance(v, dict)}[tp]
     if not ok(value):
-        hint = "; quote it to make it a string" if tp is str else ""
+        numeric_text = tp in (int, float) and isinstance(value, str)
+        hint = ("; quote it to make it a string" if tp is str else
+                "; write a number (arithmetic like 4096*3 works)" if numeric_text else "")
         raise ConfigError(f"{key}={value!r} has the wrong type: expected {_describe(tp)}, "
                           f"got {type(value).__name__}{hint}")
     if tp is float:

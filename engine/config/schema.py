@@ -4,7 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from engine.errors import UserError
+from engine.metrics import LOGGERS
+from engine.offline.losses import DPO_LOSSES
+from engine.rollout.registry import backend_names
+from kernels.kl import KL_KINDS
 
 
 def _join(prefix: str, name: str) -> str:
@@ -19,32 +25,44 @@ class ConfigError(UserError):
 # Allowed values
 # --------------------------------------------------------------------------------------------
 
+# Names that select code come from the tables beside that code (adding one there adds it here).
 Truncation = Literal["error", "left", "right", "filter"]
-PolicyLoss = Literal["vanilla", "gspo"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]
+LossAggMode = Literal[tuple(LOSS_AGG_MODES)]
 # "+" variants: the value of the named estimator with the gradient of k2 (straight-through).
-KlEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
-                      "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full+"]
+KlEstimator = Literal[tuple(KL_KINDS)]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CheckpointContent = Literal["model", "optimizer", "extra"]
-RolloutName = Literal["cpu", "sglang", "hf", "auto"]  # hf: transformers on CUDA (checks)
+RolloutName = Literal[backend_names() + ("auto",)]  # hf: transformers on CUDA (checks)
 RewardManager = Literal["naive", "batch"]
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"]
+AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 KlCtrlType = Literal["fixed", "adaptive"]
-Logger = Literal["console", "tensorboard", "jsonl", "wandb", "swanlab", "mlflow"]
+Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
 BuiltinTask = Literal["arith", "copy", "code"]  # engine/tasks.py
+Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
+DpoLossType = Literal[tuple(DPO_LOSSES)]
 
-# Estimators that compare responses within a group of n samples per prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators that compare responses within a group of n samples per prompt / need a critic.
+GROUP_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group)
+CRITIC_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.critic)
 # Keys that share one Megatron process-group layout across all models of a run.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                "virtual_pipeline_model_parallel_size", "context_parallel_size",
                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")
+
+# verl names Trident reads as its own key (one note in the log): name -> (key, why)
+ALIASES = {
+    "data.use_sequence_packing": ("actor_rollout_ref.model.use_remove_padding",
+                                  "sequence packing is the remove-padding THD packing here"),
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": (
+        "actor_rollout_ref.model.use_fused_kernels",
+        "entropy (and log-probs) are computed chunked by the fused kernel"),
+}
 
 # verl keys that live elsewhere here (one key per concept): unknown-key errors point at them.
 MOVED_KEYS = {
@@ -77,6 +95,10 @@ class DataConfig:
     builtin_task: Optional[BuiltinTask] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
+    # Preference pairs (trainer.task reward_model / dpo), verl's RM dataset names
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
 
 
 @dataclass
@@ -241,6 +263,8 @@ class CriticConfig:
 
 @dataclass
 class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: responses longer than max_response_length - len lose up
+    to penalty_factor, linearly over the last `len` tokens (engine/rewards/manager.py)."""
     enable: bool = False
     len: int = 0  # tokens before max_response_length where the length penalty starts
     penalty_factor: float = 1.0
@@ -252,12 +276,21 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None  # required when enabled
     megatron: MegatronConfig = field(default_factory=_inherited_megatron)
+    # naive: the reward function per sample; batch: custom_reward_function once per step with lists
     reward_manager: RewardManager = "naive"
     num_workers: int = 0  # Ray pool size for rule rewards; 0: in process
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     # code rewards' sandbox limits: the fields of engine.rewards.sandbox.SandboxConfig (timeout_s,
     # cpu_s, memory_mb, max_file_mb, max_procs, network, max_concurrency, ...), checked there
     sandbox: dict = field(default_factory=dict)
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """verl's custom_reward_function: a user's reward function from a Python file
+    (engine/rewards/custom.py); it replaces the rule rewards by data source."""
+    path: Optional[str] = None
+    name: str = "compute_score"
 
 
 @dataclass
@@ -280,6 +313,16 @@ class KlGuardConfig:
 
 
 @dataclass
+class DpoConfig:
+    """trainer.task=dpo (TRL's names)."""
+    beta: float = 0.1
+    loss_type: DpoLossType = "sigmoid"
+    # true: the data's ref_chosen_logps / ref_rejected_logps columns (summed log-probs of the
+    # responses under the reference) replace the reference model, which is then not built
+    precomputed_ref_log_probs: bool = False
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "gae"
     gamma: float = 1.0
@@ -289,6 +332,7 @@ class AlgorithmConfig:
     kl_penalty: KlEstimator = "kl"
     kl_ctrl: KlCtrlConfig = field(default_factory=KlCtrlConfig)
     kl_guard: KlGuardConfig = field(default_factory=KlGuardConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
 
 @dataclass
@@ -313,6 +357,14 @@ class TrainerConfig:
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
     profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
     seed: int = 1
+    # Never lose a run (engine/trainer.py, engine/workers/template.py):
+    oom_retry: int = 2                # out of memory in a micro-batch: retries at half the size (0: off)
+    max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
+    rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
+    collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
+    # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
+    # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
+    task: Task = "ppo"
 
 
 @dataclass
@@ -321,6 +373,7 @@ class TridentConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import typing
 from typing import Any, Optional
 
-from engine.config.schema import (GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig, MegatronConfig,
-                                  ModelConfig, OptimConfig, RewardModelConfig, TridentConfig, _join)
+from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
+                                  DpoConfig, MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig,
+                                  TridentConfig, _join)
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,6 +39,7 @@ def _check(obj: Any, prefix: str, name: str, *, gt=None, ge=None, le=None,
 def validate(cfg: TridentConfig) -> None:
     """Raise ConfigError for the first impossible value or inconsistent combination."""
     _validate_data(cfg.data)
+    _validate_task(cfg)  # first: an offline task refuses PPO-only sections before they are checked
     arr = cfg.actor_rollout_ref
     if arr.actor.megatron.params_dtype is None:
         _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
@@ -52,7 +55,7 @@ def validate(cfg: TridentConfig) -> None:
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
-    _validate_reward_model(cfg.reward_model)
+    _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
 
@@ -132,6 +135,9 @@ def _validate_actor(cfg: TridentConfig) -> None:
     _check(actor, p, "kl_loss_coef", ge=0.0)
     _validate_optim(actor.optim, f"{p}.optim")
     _validate_megatron(actor.megatron, f"{p}.megatron", is_actor=True)
+    if "model" not in actor.checkpoint.save_contents:
+        _fail(f"{p}.checkpoint.save_contents", actor.checkpoint.save_contents,
+              "a checkpoint always holds the model; list 'model' (plus 'optimizer' and 'extra' to resume exactly)")
 
 
 def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_required: bool) -> None:
@@ -195,9 +201,9 @@ def sglang_test_double() -> bool:
 
 def _validate_critic(cfg: TridentConfig) -> None:
     c, p = cfg.critic, "critic"
-    if c.enable is False and cfg.algorithm.adv_estimator == "gae":
-        _fail("critic.enable", False, "algorithm.adv_estimator='gae' needs a critic; set critic.enable=true "
-              "(or null), or pick an estimator without a critic such as 'grpo'")
+    if c.enable is False and cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
+        _fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
+              "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
     _validate_model(c.model, "critic.model", cfg.data, required=False)
     _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
     _check(c, p, "ppo_epochs", ge=1, optional=True)
@@ -206,7 +212,7 @@ def _validate_critic(cfg: TridentConfig) -> None:
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
 
 
-def _validate_reward_model(rm: RewardModelConfig) -> None:
+def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
     p = "reward_model"
     _check(rm, p, "num_workers", ge=0)
     _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
@@ -218,6 +224,16 @@ def _validate_reward_model(rm: RewardModelConfig) -> None:
         config_from(rm.sandbox)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if rm.overlong_buffer.enable and not 0 < rm.overlong_buffer.len < max_response_length:
+        _fail(f"{p}.overlong_buffer.len", rm.overlong_buffer.len,
+              f"overlong_buffer.enable=true needs 0 < len < data.max_response_length ({max_response_length}): "
+              f"the last `len` tokens before the limit carry the penalty, e.g. {max(1, max_response_length // 4)}")
+    if custom.path is not None and not os.path.isfile(os.path.expanduser(custom.path)):
+        _fail("custom_reward_function.path", custom.path, "no such file; give the path of a Python file defining "
+              f"{custom.name}(data_source, solution_str, ground_truth, extra_info)")
+    if rm.reward_manager == "batch" and custom.path is None:
+        _fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
+              "set custom_reward_function.path (and .name), or use reward_manager=naive")
     if rm.enable and rm.model.path is None:
         _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
               "set it, or set reward_model.enable=false to use rule rewards")
@@ -259,12 +275,68 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     _check(t, p, "test_freq", ge=1, allow=(-1,))
     _check(t, p, "save_freq", ge=1, allow=(-1,))
     _check(t, p, "max_actor_ckpt_to_keep", ge=1, optional=True)
+    _check(t, p, "oom_retry", ge=0)
+    _check(t, p, "max_nonfinite_skips", ge=1)
+    _check(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
+    _check(t, p, "collective_timeout_s", ge=1)
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
     if t.resume_mode != "resume_path" and t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               f"only read when trainer.resume_mode='resume_path' (it is {t.resume_mode!r}); set one or the other")
+
+
+def _validate_task(cfg: TridentConfig) -> None:
+    """Offline tasks (engine/offline) train on preference pairs: the keys only they read, and the
+    PPO keys that would silently do nothing there, are refused where they cannot act."""
+    task, d, dpo = cfg.trainer.task, cfg.data, cfg.algorithm.dpo
+    _check(dpo, "algorithm.dpo", "beta", gt=0.0)
+    offline = task in ("reward_model", "dpo")
+    where = f"trainer.task={task!r}"
+    if not offline:
+        for key, value, default in (("chosen_key", d.chosen_key, "chosen"),
+                                    ("rejected_key", d.rejected_key, "rejected")):
+            if value != default:
+                _fail(f"data.{key}", value, f"preference pairs are read by trainer.task "
+                      f"'reward_model' or 'dpo' only ({where}); remove it")
+    if d.margin_key is not None and task != "reward_model":
+        _fail("data.margin_key", d.margin_key, f"margins enter the reward model's Bradley-Terry "
+              f"loss only ({where}); set trainer.task=reward_model or remove it")
+    for name in ("beta", "loss_type", "precomputed_ref_log_probs"):
+        if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name):
+            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
+                  f"({where}); remove it")
+    if not offline:
+        return
+    arr = cfg.actor_rollout_ref
+    refused = [  # (key, value, is it set to something that cannot act offline)
+        ("actor_rollout_ref.rollout.n", arr.rollout.n, arr.rollout.n != 1),
+        ("actor_rollout_ref.actor.ppo_epochs", arr.actor.ppo_epochs, arr.actor.ppo_epochs != 1),
+        ("actor_rollout_ref.actor.use_kl_loss", True, arr.actor.use_kl_loss),
+        ("actor_rollout_ref.actor.router_replay", True, arr.actor.router_replay),
+        ("actor_rollout_ref.actor.shuffle", True, arr.actor.shuffle),
+        ("algorithm.use_kl_in_reward", True, cfg.algorithm.use_kl_in_reward),
+        ("critic.enable", True, cfg.critic.enable is True),
+        ("reward_model.enable", True, cfg.reward_model.enable)]
+    for key, value, bad in refused:
+        if bad:
+            _fail(key, value, f"{where} trains on fixed preference pairs (no rollout, rewards, "
+                  "critic or KL loss; one pass per batch: use trainer.total_epochs); remove it")
+    if d.builtin_task not in (None, "arith"):
+        _fail("data.builtin_task", d.builtin_task, f"{where} builds preference pairs from the "
+              "'arith' task only; use 'arith' or data.train_files")
+    if dpo.precomputed_ref_log_probs and d.builtin_task:
+        _fail("algorithm.dpo.precomputed_ref_log_probs", True, "the built-in task's pairs carry no "
+              "ref_chosen_logps / ref_rejected_logps columns; set it to false (the reference "
+              "model computes them) or use data.train_files that have them")
+    actor = arr.actor
+    pair = 2 * (d.max_prompt_length + d.max_response_length)
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < pair:
+        _fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+              f"a micro-batch holds whole preference pairs (chosen + rejected, up to 2 x "
+              f"(max_prompt_length + max_response_length) = {pair} tokens); set it to at least "
+              f"{pair}")
 
 
 def _divisors(n: int) -> list[int]:

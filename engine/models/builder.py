@@ -151,6 +151,17 @@ class TridentGPTModel(GPTModel):
                                               dtype=self.config.params_dtype)
             torch.nn.init.normal_(self.value_head.weight, std=self.config.init_method_std)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        if self.head == "value" and self.post_process:
+            # Megatron's LanguageModule marks the last stage's output layer for checkpoints; a
+            # value head has none (KeyError). Off for the call: nothing else here reads it.
+            self.post_process = False
+            try:
+                return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self.post_process = True
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
     def output_weight(self):
         """This rank's vocab shard of the output projection (tied or not)."""
         if self.share_embeddings_and_output_weights:

@@ -88,6 +88,42 @@ SCORE_HEAD = "score.weight"
 VALUE_HEAD = "value_head.weight"
 
 
+def sequence_classification_config(hf_config, pad_token_id):
+    """A copy of a causal-LM config as the `*ForSequenceClassification` with one label that a
+    value-head model (a trained reward model) is saved as; transformers finds each sequence's
+    last token through `pad_token_id`."""
+    import copy
+
+    from engine.models.arch import architecture_of
+    cfg = copy.deepcopy(hf_config)
+    cfg.architectures = [architecture_of(cfg).replace("ForCausalLM", "ForSequenceClassification")]
+    cfg.num_labels = 1
+    cfg.pad_token_id = pad_token_id
+    return cfg
+
+
+def head_of(hf_config) -> str:
+    """'value' for a sequence-classification (reward model) config, else 'lm'."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return "value" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
+
+
+def _hf_order(hf_config, value_head: bool):
+    """Global tensors in save order with their shapes; a value-head model has the score head
+    in place of the output layer."""
+    shapes = weights.global_shapes(hf_config)
+    if value_head:
+        shapes.pop("output_layer.weight", None)
+        shapes[VALUE_HEAD] = (1, hf_config.hidden_size)
+    return shapes
+
+
+def _to_hf(hf_config, name, tensor):
+    if name == VALUE_HEAD:
+        return [(SCORE_HEAD, tensor)]
+    return weights.megatron_to_hf(hf_config, name, tensor)
+
+
 def validate_checkpoint(hf_config, index, head: str = "lm") -> None:
     """One clear error unless the checkpoint holds exactly the tensors this config needs
     (block-wise fp8 weights with their `*_scale_inv` scales count as those tensors)."""
@@ -302,13 +338,21 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
     """Write the model held by all ranks' chunks as a HF checkpoint into `out_dir` (collective:
     every rank calls it). Tensors are cast to `dtype` (default: the config's dtype; the router's
     expert bias stays fp32). `source_dir`: a HF model directory whose tokenizer files are copied.
-    `progress(tensors_done, tensors_total, bytes_done)` is called on rank 0."""
+    `progress(tensors_done, tensors_total, bytes_done)` is called on rank 0. A value-head model
+    (a reward model) is saved with its head as `score.weight`, under the config that
+    `sequence_classification_config` makes."""
     rank = dist.get_rank()
-    order = list(weights.global_shapes(hf_config))
     mine = _owned(chunks)
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, {n: str(t.dtype).replace("torch.", "") for n, (t, _) in mine.items()})
     _fail_together(check_new_output_dir(out_dir) if rank == 0 else None, UserError)
+    value_head = any(VALUE_HEAD in m for m in metas)
+    shapes = _hf_order(hf_config, value_head)
+    order = list(shapes)
+    if value_head and not any(a.endswith("ForSequenceClassification")  # a caller's bug
+                              for a in getattr(hf_config, "architectures", None) or []):
+        raise ValueError("a value-head model is saved as a sequence-classification model; pass "
+                         "the config from hf_io.sequence_classification_config(hf_config, pad)")
     held = set().union(*[set(m) for m in metas])
     absent = [n for n in order if n not in held]
     extra = sorted(held - set(order))
@@ -319,7 +363,6 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
     tmp = atomic_output_dir(out_dir) if rank == 0 else None
     save_dtype = _save_dtype(hf_config, dtype)
     writer = _ShardWriter(tmp, int(shard_size_mb * 2 ** 20)) if rank == 0 else None
-    shapes = weights.global_shapes(hf_config)
     ok = False
     try:
         for i, name in enumerate(order):
@@ -339,7 +382,7 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
                     full = torch.empty(shapes[name], dtype=getattr(torch, metas[owner][name]))
                     dist.recv(full, src=owner)
             if rank == 0:
-                for hf_name, t in weights.megatron_to_hf(hf_config, name, full):
+                for hf_name, t in _to_hf(hf_config, name, full):
                     keep_fp32 = name.endswith("router.expert_bias")
                     writer.add(hf_name, t.to(torch.float32 if keep_fp32 else save_dtype))
                 if progress:

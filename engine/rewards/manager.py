@@ -40,11 +40,33 @@ def last_token_index(response_mask):
     return (response_mask.bool() * (positions + 1)).argmax(-1)
 
 
+def overlong_penalty(lengths, max_response_length, buffer_len, penalty_factor):
+    """DAPO's overlong reward shaping (verl's formula): a response longer than
+    max_response_length - buffer_len loses (length - that) / buffer_len x penalty_factor; never
+    positive."""
+    expected = max_response_length - buffer_len
+    return torch.clamp(-(lengths.double() - expected) / buffer_len * penalty_factor, max=0.0)
+
+
 class RewardManager:
-    def __init__(self, tokenizer, compute_score=None, num_workers=0, skip_special_tokens=False):
+    """`reward_manager` 'naive' scores sample by sample; 'batch' calls `compute_score` once with
+    lists (verl's BatchRewardManager signature). `overlong` (reward_model.overlong_buffer) adds
+    DAPO's length penalty, given the configured `max_response_length`."""
+
+    def __init__(self, tokenizer, compute_score=None, num_workers=0, skip_special_tokens=False,
+                 reward_manager="naive", overlong=None, max_response_length=None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.compute_score = compute_score or default_compute_score
+        if reward_manager not in ("naive", "batch"):
+            raise ValueError(f"reward_model.reward_manager={reward_manager!r}: use 'naive' or 'batch'")
+        if reward_manager == "batch" and compute_score is None:
+            raise ValueError("reward_model.reward_manager='batch' needs custom_reward_function.path")
+        self.batched = reward_manager == "batch"
+        self.overlong = overlong if overlong is not None and overlong.enable else None
+        if self.overlong is not None and not max_response_length:
+            raise ValueError("reward_model.overlong_buffer needs max_response_length")
+        self.max_response_length = max_response_length
         self.num_workers = int(num_workers)
         if self.num_workers < 0:
             raise ValueError(f"reward num_workers={num_workers!r} must be >= 0 (0 scores in-process)")
@@ -75,6 +97,12 @@ class RewardManager:
                              f"{len(data_sources)} data sources; they must match")
         extra_infos = list(extra_infos) if extra_infos is not None else [None] * n
         items = list(zip(data_sources, texts, ground_truths, extra_infos))
+        if self.batched:
+            results = list(self.compute_score(list(data_sources), list(texts), list(ground_truths), extra_infos))
+            if len(results) != n:
+                raise ValueError(f"custom_reward_function returned {len(results)} results for {n} samples "
+                                 f"(reward_manager=batch: one per sample)")
+            return results
         if self.num_workers == 0 or n == 0:
             return _score_items(self.compute_score, items)
         import ray
@@ -125,6 +153,12 @@ class RewardManager:
             scores += model_scores
         if ground_truths is None and model_scores is None:
             raise ValueError("RewardManager needs ground_truths (rule rewards) or model_scores (reward model)")
+        if self.overlong is not None:
+            penalty = overlong_penalty(response_mask.sum(-1).cpu(), self.max_response_length,
+                                       self.overlong.len, self.overlong.penalty_factor)
+            extra["overlong_reward"] = penalty.tolist()
+            extra["overlong"] = (penalty < 0).tolist()
+            scores += penalty
         extra["score"] = scores.tolist()
         token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
         token_level[torch.arange(batch), last_token_index(response_mask.cpu())] = scores.float()

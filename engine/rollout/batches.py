@@ -22,9 +22,10 @@ def sampling_params(rollout_cfg, stop_token_ids, step, train=True, greedy=False)
                           do_sample=False if greedy else v.do_sample)
 
 
-def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length):
+def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length, raw_chat=False):
     """Batch of `rows` (this replica's prompt indices) x n samples from `got` (prompt index ->
-    (responses, log-probs, routed experts or None), engine/rollout/group.py)."""
+    (responses, log-probs, routed experts or None), engine/rollout/group.py). `raw_chat`
+    (data.return_raw_chat) keeps each row's prompt as written (chat messages or text)."""
     prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
                                        pad_id, prompt_length)
     resp_list = [got[i][0][j] for i in rows for j in range(n)]
@@ -40,6 +41,8 @@ def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length
     extra = {}
     if any(got[i][2] is not None for i in rows):  # MoE routing recorded for actor.router_replay
         extra["routed_experts"] = [got[i][2][j] for i in rows for j in range(n)]
+    if raw_chat:
+        extra["raw_prompt"] = [prompts.raw_prompts[i] for i in rows for _ in range(n)]
     return Batch(
         tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
                      attention_mask=torch.cat([prompt_mask, rmask], 1),

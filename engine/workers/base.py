@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from engine import faults
 from engine.batch import Batch
 from engine.models.builder import build_model
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
@@ -178,6 +179,9 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
 class MegatronWorker:
     """A model (actor, critic or reference) on this rank's Megatron layout."""
 
+    name = "model"  # metric prefix and fault-injection name
+    split = None  # (micro_batch_size, max_tokens) an out-of-memory settled on; None: the plan's
+
     # whether this worker's heads gather their CP shares (`gather_cp`); others refuse CP > 1
     supports_context_parallel = False
 
@@ -277,14 +281,21 @@ class MegatronWorker:
             end_wd=optim_cfg.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant")
 
     # -- micro-batching --------------------------------------------------------------------
-    def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,
-                      rows: Optional[List[int]] = None) -> List[MicroBatch]:
+    def micro_groups(self, batch: Batch, micro_batch_size=None, max_tokens=None, rows=None):
+        """Row indices of each micro-batch: `micro_batch_size` rows, or up to `max_tokens`."""
         rows = list(range(len(batch))) if rows is None else list(rows)
         if max_tokens is not None:
             lengths = batch["attention_mask"][rows].sum(-1).tolist()
-            groups = [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
-        else:
-            groups = [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
+            return [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
+        return [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
+
+    def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,
+                      rows: Optional[List[int]] = None,
+                      groups: Optional[List[List[int]]] = None) -> List[MicroBatch]:
+        """`groups`: the rows of each micro-batch, given (e.g. whole preference pairs), instead
+        of a split by count or tokens."""
+        if groups is None:
+            groups = self.micro_groups(batch, micro_batch_size, max_tokens, rows)
         packed = bool(self.model_cfg.use_remove_padding)
         multiple = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
         cp = ps.get_context_parallel_world_size()
@@ -324,13 +335,18 @@ class MegatronWorker:
         parts = cp_all_gather(values, [t.numel() for t in takes], ps.get_context_parallel_group())
         return cp_gather(parts, takes)
 
-    def run(self, micro: List[MicroBatch], head_fn: Callable, *, forward_only: bool):
+    def run(self, micro: List[MicroBatch], head_fn: Callable, *, forward_only: bool,
+            agree_on_oom: bool = False):
         """Run micro-batches through the pipeline. `head_fn(output, mb)` gets the last stage's
         output (hidden states [b, s, h] or values [b, s]) and returns (loss, info)."""
 
         device = self.device
+        index = iter(range(len(micro) * len(self.chunks)))
 
         def step(model, mb: MicroBatch):
+            at = next(index)
+            if not forward_only and faults.fault("oom", model=self.name, micro=at):
+                raise faults.SimulatedOOM(f"injected out of memory in micro-batch {at}")
             mb = mb.to(device)
             if self.router_replay and mb.routing is not None:
                 self._set_replay(model, mb)
@@ -346,8 +362,8 @@ class MegatronWorker:
 
         # the schedule divides by CP (and TP under SP) for its p2p shapes: the unsplit length
         seq_length = max(mb.tokens.shape[1] * mb.cp_size for mb in micro)
-        return forward_backward(self.chunks, micro, step, forward_only=forward_only,
-                                seq_length=seq_length, micro_batch_size=micro[0].tokens.shape[0])
+        return forward_backward(self.chunks, micro, step, forward_only=forward_only, seq_length=seq_length,
+                                micro_batch_size=micro[0].tokens.shape[0], agree_on_oom=agree_on_oom)
 
     # -- colocation ------------------------------------------------------------------------
     def state_tensors(self, state):
@@ -420,11 +436,10 @@ class MegatronWorker:
         or by `ppo_micro_batch_size_per_gpu` from this model's config section."""
         for c in self.chunks:
             c.train()
-        if micro_batch_size is None and max_tokens is None:
-            if self.cfg.use_dynamic_bsz:
-                max_tokens = self.cfg.ppo_max_token_len_per_gpu
-            else:
-                micro_batch_size = self.cfg.ppo_micro_batch_size_per_gpu
+        if micro_batch_size is None and max_tokens is None:  # the derived plan's rule
+            from engine.config.derive import update_split
+            split = update_split(self.cfg)
+            micro_batch_size, max_tokens = split.micro_batch_size, split.max_tokens
         return micro_batch_size, max_tokens
 
     def zero_grad(self):
@@ -432,8 +447,35 @@ class MegatronWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def grads_finite(self) -> bool:
+        """Whether every gradient on every rank is finite (one all-reduce of a flag)."""
+        buffers = [b.grad_data for c in self.chunks
+                   for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
+        grads = buffers or model_grads(self.chunks)
+        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        flag = torch.tensor([0.0 if bool(ok) else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0
+
+    def free_memory(self):
+        """After an out-of-memory: drop what the failed attempt left, give the cache back."""
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def log(self, message):
+        if dist.get_rank() == 0:
+            print(f"{self.name}: {message}", flush=True)
+
     def optimizer_step(self):
-        """One optimizer step on the accumulated gradients; (grad_norm, lr)."""
+        """One optimizer step on the accumulated gradients; (grad_norm, lr, applied). NaN / Inf
+        anywhere in the gradients (any rank) skips it on every rank together: nothing is
+        applied, the LR schedule does not advance."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not self.grads_finite():
+            self.zero_grad()
+            return float("nan"), lr, False
         success, grad_norm, _ = self.optimizer.step()
         if self.megatron_cfg.overlap_param_gather and self.megatron_cfg.use_distributed_optimizer:
             # overlapped gathering would defer the updated parameters to the next forward's

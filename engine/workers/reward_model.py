@@ -7,9 +7,11 @@ import torch
 
 from engine.batch import Batch
 from engine.workers.base import MegatronWorker
+from engine.workers.template import forward_rows
 
 
 class RewardModelWorker(MegatronWorker):
+    name = "reward_model"
     def __init__(self, hf_config, rm_cfg, *, pad_token_id=0):
         super().__init__(hf_config, megatron_cfg=rm_cfg.megatron, model_cfg=rm_cfg.model,
                          head="value", pad_token_id=pad_token_id)
@@ -18,20 +20,11 @@ class RewardModelWorker(MegatronWorker):
             p.requires_grad_(False)
 
     @torch.no_grad()
-    def compute_scores(self, batch: Batch) -> torch.Tensor:
+    def compute_scores(self, batch: Batch, *, micro_batch_size=None, max_tokens=None) -> torch.Tensor:
         """[B] scores: the head's output at the last valid token of prompt + response."""
-        for c in self.chunks:
-            c.eval()
-        micro = self.micro_batches(batch, micro_batch_size=self.cfg.micro_batch_size_per_gpu)
+        if micro_batch_size is None and max_tokens is None:
+            micro_batch_size = self.cfg.micro_batch_size_per_gpu
 
         def head(output, mb):
-            scores = output.reshape(-1)[mb.last_tokens].float()
-            return scores.sum() * 0.0, dict(rows=mb.rows, scores=scores.cpu())
-
-        infos = self.run(micro, head, forward_only=True)
-        full = None
-        if self.is_last_stage:
-            full = torch.zeros(len(batch))
-            for info in infos:
-                full[info["rows"]] = info["scores"]
-        return self.broadcast_from_last_stage(full, (len(batch),))
+            return dict(rows=mb.rows, scores=output.reshape(-1)[mb.last_tokens].float().cpu())
+        return forward_rows(self, batch, head, ["scores"], {"scores": None}, micro_batch_size, max_tokens)["scores"]

@@ -1,0 +1,80 @@
+"""Everything an offline run needs, from a validated config: tokenizer, preference pairs, the
+layout, the trained model (and the DPO reference), checkpoints; returns the trainer.
+
+The trained model is `actor_rollout_ref.model` with the actor's optim / megatron / micro-batch
+keys (micro-batch sizes count pairs); a reward model gets the scalar head (a sequence-
+classification checkpoint's `score.weight` when the path has one, else a fresh head).
+"""
+from engine.offline.data import PreferenceDataset, arith_pairs
+
+BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
+
+
+def load_pair_datasets(cfg, tokenizer):
+    d, task = cfg.data, cfg.trainer.task
+    kw = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
+              max_response_length=d.max_response_length,
+              truncation="filter" if d.filter_overlong_prompts else d.truncation,
+              prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+              margin_key=d.margin_key if task == "reward_model" else None,
+              ref_columns=task == "dpo" and cfg.algorithm.dpo.precomputed_ref_log_probs,
+              apply_chat_template=d.chat_template)
+    if d.builtin_task:
+        level = d.builtin_task_difficulty
+        return (PreferenceDataset(arith_pairs(BUILTIN_TRAIN_PAIRS, d.seed, level, "train"), **kw),
+                PreferenceDataset(arith_pairs(BUILTIN_VAL_PAIRS, d.seed, level, "test"), **kw))
+    train = PreferenceDataset(list(d.train_files), **kw)
+    val = PreferenceDataset(list(d.val_files), **kw) if d.val_files else None
+    return train, val
+
+
+def build_offline(cfg, world_size):
+    """The trainer of `cfg.trainer.task` ('reward_model' or 'dpo') on this rank."""
+    from engine.config import derive, validate_layout
+    from engine.models.arch import arch_spec
+    from engine.offline.trainer import DPOTrainer, RewardModelTrainer
+    from engine.offline.workers import DPOWorker, RewardModelTrainWorker
+    from engine.train import copy_weights, load_hf_config, load_tokenizer
+    from parallel.mesh import init_mesh
+
+    tokenizer = load_tokenizer(cfg)
+    train_data, val_data = load_pair_datasets(cfg, tokenizer)
+    derived = derive(cfg, world_size, dataset_len=len(train_data))
+    cfg = derived.config
+    arr = cfg.actor_rollout_ref
+    init_mesh(derived.layout, seed=arr.actor.megatron.seed)
+    hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
+    spec = arch_spec(hf_config)
+    validate_layout(cfg, world_size, num_layers=spec.transformer["num_layers"],
+                    num_experts=spec.num_experts or 0,
+                    num_attention_heads=hf_config.num_attention_heads)
+    steps = cfg.trainer.total_training_steps
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ref = None
+    if cfg.trainer.task == "reward_model":
+        model = RewardModelTrainWorker(hf_config, arr.actor, arr.model, total_steps=steps,
+                                       pad_token_id=pad)
+    else:
+        model = DPOWorker(hf_config, arr.actor, arr.model, cfg.algorithm.dpo, total_steps=steps,
+                          pad_token_id=pad)
+        if not cfg.algorithm.dpo.precomputed_ref_log_probs:
+            from engine.workers.actor import ReferenceWorker
+            ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+    if arr.model.path:
+        from engine.models.hf_io import load_hf_weights
+        for worker in (w for w in (model, ref) if w is not None):
+            load_hf_weights(worker.chunks, arr.model.path, hf_config=hf_config)
+        model.optimizer.reload_model_params()
+    elif ref is not None:  # the reference is the initial policy
+        copy_weights(model.chunks, ref.chunks)
+    checkpoints = None
+    t = cfg.trainer
+    if t.save_freq > 0 or t.resume_mode != "disable":
+        from engine.checkpoint import CheckpointManager
+        checkpoints = CheckpointManager(t.default_local_dir, keep_last=t.max_actor_ckpt_to_keep,
+                                        verify=t.checkpoint_verify)
+    kw = dict(tokenizer=tokenizer, hf_config=hf_config, train_data=train_data,
+              val_data=val_data, model=model, checkpoints=checkpoints)
+    if cfg.trainer.task == "reward_model":
+        return RewardModelTrainer(derived, **kw)
+    return DPOTrainer(derived, ref=ref, **kw)

@@ -1,0 +1,245 @@
+"""The offline loop: batches of preference pairs -> one update per mini-batch -> held-out
+metrics, checkpoints (engine/checkpoint.py, resumable like PPO) and the HF export.
+
+Each DP rank trains on its contiguous share of a step's pairs; held-out pairs are spread over
+the DP ranks (padded with weight-0 repeats so every rank runs the same schedule) and their
+metrics summed over DP, so `val/*` is the whole held-out set's mean whatever the layout.
+"""
+import dataclasses
+import math
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from engine.metrics import MetricsLogger, Timer, compute_throughput_metrics
+from engine.offline.data import PairLoader, pair_batch
+from engine.offline.losses import bradley_terry_loss, dpo_loss
+from engine.offline.workers import sequence_log_probs
+
+
+class OfflineTrainer:
+    worker_name = "actor"  # the checkpoint directory of the trained model
+
+    def __init__(self, derived, *, tokenizer, hf_config, train_data, val_data, model,
+                 checkpoints=None):
+        self.cfg = cfg = derived.config
+        self.tokenizer, self.hf_config, self.model = tokenizer, hf_config, model
+        self.train_data, self.val_data, self.checkpoints = train_data, val_data, checkpoints
+        self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                       else tokenizer.eos_token_id)
+        self.loader = PairLoader(train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                 seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
+        self.mini_pairs = derived.actor.mini_batch_size_per_rank
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.total_steps = cfg.trainer.total_training_steps
+        self.step_count = 0
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
+                                    project=cfg.trainer.project_name,
+                                    experiment=cfg.trainer.experiment_name,
+                                    total_steps=self.total_steps, rank=self.rank,
+                                    config=dataclasses.asdict(cfg))
+        self.forward = derived.forward  # forward-only splits by model (sequences)
+
+    # -- what a task defines ----------------------------------------------------------------
+    def train_step(self, batch, timings):
+        raise NotImplementedError
+
+    def eval_sums(self, batch, weight):
+        """name -> weighted sum over this rank's held-out pairs (weight: [pairs])."""
+        raise NotImplementedError
+
+    def export_config(self):
+        return self.hf_config
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self):
+        t = self.cfg.trainer
+        self.resume()
+        if self.checkpoints is not None:
+            self._write_hf_config()
+        if t.val_before_train and t.test_freq > 0 and self.step_count == 0:
+            self.logger.log(self.validate(), self.step_count)
+        while self.step_count < self.total_steps:
+            timings = {}
+            with Timer("step", timings):
+                examples = self.loader.next_batch()
+                per = len(examples) // self.dp
+                batch = pair_batch(examples[self.dp_rank * per:(self.dp_rank + 1) * per],
+                                   self.pad_id)
+                metrics = self.train_step(batch, timings)
+            self.step_count += 1
+            metrics.update(timings)
+            metrics.update(self.train_data.metrics)
+            metrics.update(self._throughput(batch, timings["timing_s/step"]))
+            if t.test_freq > 0 and (self.step_count % t.test_freq == 0
+                                    or self.step_count == self.total_steps):
+                metrics.update(self.validate())
+            self.logger.log(metrics, self.step_count)
+            if t.save_freq > 0 and (self.step_count % t.save_freq == 0
+                                    or self.step_count == self.total_steps):
+                self.save()
+        if t.save_hf:
+            self.export_hf()
+        self.logger.close()
+        return self.step_count
+
+    def _forward_split(self, model):
+        """A forward-only pass's micro-batches (derive's: rollout.log_prob_* keys for the
+        trained model, ref.* for the reference) in sequences: the keys count pairs here."""
+        split = self.forward[model]
+        if split.max_tokens is not None:
+            return dict(max_tokens=split.max_tokens)
+        return dict(micro_batch_size=2 * split.micro_batch_size)
+
+    def _throughput(self, batch, seconds):
+        tokens = torch.tensor([float(batch["attention_mask"].sum())])
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        return compute_throughput_metrics(float(tokens), seconds, self.world)
+
+    def validate(self):
+        """`val/*`: the held-out pairs' mean metrics (every rank returns the same)."""
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        n = len(self.val_data)
+        per = math.ceil(n / self.dp)
+        picks = [i if i < n else i % n for i in range(self.dp_rank * per, (self.dp_rank + 1) * per)]
+        weight = torch.tensor([1.0 if i < n else 0.0
+                               for i in range(self.dp_rank * per, (self.dp_rank + 1) * per)])
+        batch = pair_batch([self.val_data[i] for i in picks], self.pad_id)
+        sums = self.eval_sums(batch, weight.double())
+        names = sorted(sums)
+        t = torch.stack([sums[k].double() for k in names] + [weight.double().sum()])
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return {f"val/{k}": float(v / t[-1]) for k, v in zip(names, t[:-1])}
+
+    # -- checkpoints and export ----------------------------------------------------------------
+    def state_dict(self):
+        return {"step": self.step_count, "loader": self.loader.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state()}}
+
+    def load_state_dict(self, state):
+        self.step_count = int(state["step"])
+        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
+            from engine.trainer import set_seed
+            self.loader.seek(self.step_count)  # the data position follows from the step
+            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            return
+        self.loader.load_state_dict(state["loader"])
+        rng = state.get("rng")
+        if rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+
+    def save(self):
+        if self.checkpoints is not None:
+            self.checkpoints.save(self.step_count, {self.worker_name: self.model},
+                                  self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+
+    def resume(self):
+        t = self.cfg.trainer
+        path = None
+        if self.checkpoints is not None:
+            path = self.checkpoints.resolve(t.resume_mode, t.resume_from_path)
+        if path is None:
+            self.logger.start_fresh()
+            return
+        self.load_state_dict(self.checkpoints.load(path, {self.worker_name: self.model}))
+        self.logger.truncate_after(self.step_count)
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step_count}", flush=True)
+
+    def _write_hf_config(self):
+        """`default_local_dir/hf_config`: the config (+ tokenizer) that
+        `tools/convert_checkpoint.py mcore-to-hf --hf-config` needs to export a checkpoint of
+        this run (global_step_N/<worker>) as a HF model."""
+        out = os.path.join(self.cfg.trainer.default_local_dir, "hf_config")
+        if self.rank == 0 and not os.path.exists(out):
+            self.export_config().save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+        dist.barrier()
+
+    def export_hf(self):
+        """HF weights of the trained model at default_local_dir/hf/step_N (trainer.save_hf)."""
+        from engine.models.hf_io import save_hf_weights
+        out = os.path.join(self.cfg.trainer.default_local_dir, "hf", f"step_{self.step_count}")
+        source = self.cfg.actor_rollout_ref.model.path
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            if os.path.isdir(out):  # a re-run of the same steps (resume_mode=disable) replaces it
+                shutil.rmtree(out)
+        dist.barrier()
+        save_hf_weights(self.model.chunks, self.export_config(), out, source_dir=source)
+        if self.rank == 0 and not source:  # a built-in task's (or inline model's) tokenizer
+            self.tokenizer.save_pretrained(out)
+        dist.barrier()
+        if self.rank == 0:
+            print(f"wrote HF model {out}", flush=True)
+        return out
+
+
+class RewardModelTrainer(OfflineTrainer):
+    """Bradley-Terry reward model; exported as a HF sequence-classification model."""
+
+    worker_name = "reward_model"
+
+    def train_step(self, batch, timings):
+        with Timer("update_reward_model", timings):
+            return self.model.update_pairs(batch, self.mini_pairs)
+
+    def eval_sums(self, batch, weight):
+        scores = self.model.compute_scores(batch, **self._forward_split("actor")).double()
+        chosen, rejected = scores[0::2], scores[1::2]
+        margin = batch["pair_margin"][0::2].double() if "pair_margin" in batch else None
+        return {"loss": (weight * bradley_terry_loss(chosen, rejected, margin)).sum(),
+                "accuracy": (weight * (chosen > rejected).double()).sum(),
+                "margin": (weight * (chosen - rejected)).sum()}
+
+    def export_config(self):
+        from engine.models.hf_io import sequence_classification_config
+        return sequence_classification_config(self.hf_config, self.pad_id)
+
+
+class DPOTrainer(OfflineTrainer):
+    """DPO against the initial policy (a ReferenceWorker) or precomputed reference columns."""
+
+    def __init__(self, derived, *, ref=None, **kw):
+        super().__init__(derived, **kw)
+        self.ref = ref
+        self.dpo = self.cfg.algorithm.dpo
+        self._val_ref = None  # frozen reference, same held-out share each time: computed once
+
+    def _ref_logps(self, batch):
+        return sequence_log_probs(self.ref, batch, **self._forward_split("ref"))
+
+    def train_step(self, batch, timings):
+        if "ref_logps" not in batch:
+            with Timer("ref", timings):
+                batch["ref_logps"] = self._ref_logps(batch)
+        with Timer("update_actor", timings):
+            return self.model.update_pairs(batch, self.mini_pairs)
+
+    def eval_sums(self, batch, weight):
+        if "ref_logps" not in batch:
+            if self._val_ref is None:
+                self._val_ref = self._ref_logps(batch)
+            batch["ref_logps"] = self._val_ref
+        policy = sequence_log_probs(self.model, batch, **self._forward_split("actor")).double()
+        ref = batch["ref_logps"].double()
+        losses, chosen_r, rejected_r = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2],
+                                                self.dpo.beta, self.dpo.loss_type)
+        return {"loss": (weight * losses).sum(),
+                "rewards/chosen": (weight * chosen_r).sum(),
+                "rewards/rejected": (weight * rejected_r).sum(),
+                "rewards/accuracies": (weight * (chosen_r > rejected_r).double()).sum(),
+                "rewards/margins": (weight * (chosen_r - rejected_r)).sum(),
+                # the policy's own preference: log pi(chosen) > log pi(rejected)
+                "logps/accuracies": (weight * (policy[0::2] > policy[1::2]).double()).sum()}
