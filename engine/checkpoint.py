@@ -44,10 +44,11 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_files import (MANIFEST_FILE, TMP_PREFIX, VERIFY_LEVELS, CheckpointError,
-                                     NonFiniteError, fsync_dir, load_safe, make_durable,
-                                     manifest_entries, save_safe, verify_checkpoint,
-                                     verify_manifest, write_atomic, write_manifest)
+from engine.checkpoint_files import (MANIFEST_FILE, META_FILE, TMP_PREFIX, VERIFY_LEVELS,
+                                     CheckpointError, NonFiniteError, fsync_dir, load_safe,
+                                     make_durable, manifest_entries, resume_path_problem,
+                                     save_safe, verify_checkpoint, verify_manifest, write_atomic,
+                                     write_manifest)
 from engine.checkpoint_files import barrier as _barrier
 from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
 from engine.checkpoint_files import world as _world
@@ -63,7 +64,6 @@ logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 2  # 2: CRC-32 manifest, weights_only-safe pickles
@@ -161,13 +161,9 @@ class CheckpointManager:
             raise ValueError("trainer.resume_from_path is empty but trainer.resume_mode="
                              "'resume_path'; give the global_step_N directory to resume from")
         path = os.path.abspath(resume_from_path)
-        if not os.path.isdir(path):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} does not exist; give "
-                             "an existing global_step_N directory or use trainer.resume_mode=auto")
-        if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} is not a complete "
-                             f"checkpoint (no {MANIFEST_FILE}: the save did not finish); pick "
-                             "another global_step_N directory")
+        problem = resume_path_problem(path)
+        if problem:
+            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")
         problem = self._check(path, level)
         if problem:
             raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")

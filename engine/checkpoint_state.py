@@ -181,8 +181,16 @@ def _layout():
                 dp=ps.get_data_parallel_world_size(), world_size=_world())
 
 
-def _check_model_matches(name, worker, directory):
+def check_model_matches(chunks, directory, fix=None):
+    """CheckpointError (on every rank) unless the Megatron dist checkpoint `directory` holds
+    exactly the model tensors of `chunks` with their global shapes (tools/convert_checkpoint)."""
+    from types import SimpleNamespace
+    _check_model_matches("model", SimpleNamespace(models=chunks), directory, fix)
+
+
+def _check_model_matches(name, worker, directory, fix=None):
     """Clear error (on every rank) when the checkpoint's model tensors are not this model's."""
+    fix = fix or "build the model the checkpoint was saved from (same HF config) or start without resuming"
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -199,14 +207,12 @@ def _check_model_matches(name, worker, directory):
         keys.add(t.key)
         if t.key not in saved:
             problem = (f"worker {name!r}: the checkpoint {directory!r} has no tensor {t.key!r}; "
-                       "it was saved from a different model architecture. Build the model the "
-                       "checkpoint was saved from (same HF config) or start without resuming")
+                       f"it was saved from a different model architecture: {fix}")
             break
         if saved[t.key] != tuple(t.global_shape):
             problem = (f"worker {name!r}: tensor {t.key!r} has shape {saved[t.key]} in the "
                        f"checkpoint {directory!r} but {tuple(t.global_shape)} in this model; it "
-                       "was saved from a different model size. Build the model the checkpoint "
-                       "was saved from (same HF config) or start without resuming")
+                       f"was saved from a different model size: {fix}")
             break
     _raise_if_any(problem)
     # tensors no rank asks for (e.g. a value head the model lacks) mean another architecture
@@ -220,4 +226,4 @@ def _check_model_matches(name, worker, directory):
         raise CheckpointError(
             f"worker {name!r}: the checkpoint {directory!r} has tensors this model does not: "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; it was saved from a "
-            "different model architecture")
+            f"different model architecture: {fix}")

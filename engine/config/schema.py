@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from engine.errors import UserError
 from engine.metrics import LOGGERS
 from engine.offline.losses import DPO_LOSSES
 from engine.rollout.registry import backend_names
@@ -16,7 +17,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A recipe problem: names the dotted key, the offending value and how to fix it."""
 
 
@@ -42,6 +43,7 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
+BuiltinTask = Literal["arith", "copy", "code"]  # engine/tasks.py
 Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 
@@ -90,7 +92,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # same as truncation='filter' (derive() makes both agree)
     return_raw_chat: bool = False
     chat_template: bool = True  # format prompts with the tokenizer's chat template
-    builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
+    builtin_task: Optional[BuiltinTask] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
     # Preference pairs (trainer.task reward_model / dpo), verl's RM dataset names

@@ -67,6 +67,7 @@ def _validate_data(data: DataConfig) -> None:
         _check(data, p, name, ge=1)
     _check(data, p, "val_batch_size", ge=1, optional=True)
     _check(data, p, "dataloader_num_workers", ge=0)
+    _check(data, p, "builtin_task_difficulty", ge=0, le=2)
     if not data.prompt_key:
         _fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
     if not data.train_files and data.builtin_task is None:
@@ -404,7 +405,8 @@ def _resolve_megatron(m: MegatronConfig, actor: MegatronConfig) -> MegatronConfi
 
 
 def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[int] = None,
-                    num_experts: Optional[int] = None, num_attention_heads: Optional[int] = None) -> None:
+                    num_experts: Optional[int] = None, num_attention_heads: Optional[int] = None,
+                    num_query_groups: Optional[int] = None) -> None:
     """Check the Megatron layout against `world_size` (and the model shape once it is known).
 
     num_experts: None = unknown, 0 = dense model. Raises ConfigError for the first violation.
@@ -446,6 +448,14 @@ def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[in
             _fail(f"{p}.virtual_pipeline_model_parallel_size", vpp,
                   f"the model's {num_layers} layers do not split into pipeline_model_parallel_size {pp} x "
                   f"{vpp} chunks; choose PP x VPP dividing {num_layers}")
+    # Megatron's rule: TP divides the attention heads; key/value groups a multiple or divisor of TP
+    if num_attention_heads is not None and num_attention_heads % tp:
+        _fail(f"{p}.tensor_model_parallel_size", tp, f"must divide the model's {num_attention_heads} "
+              f"attention heads (each tensor-parallel rank holds whole heads); use "
+              f"{_options(math.gcd(num_attention_heads, world_size))}")
+    if num_query_groups is not None and num_query_groups % tp and tp % num_query_groups:
+        _fail(f"{p}.tensor_model_parallel_size", tp, f"must be a multiple or a divisor of the model's "
+              f"{num_query_groups} key/value heads; use {_options(math.gcd(num_query_groups, world_size))}")
     if num_layers is not None and num_layers % pp:
         _fail(f"{p}.pipeline_model_parallel_size", pp,
               f"the model's {num_layers} layers do not split evenly over {pp} stages; use a divisor of "
