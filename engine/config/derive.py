@@ -97,8 +97,8 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
     if world_size != expected:
         _fail("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node,
               f"trainer.nnodes x n_gpus_per_node = {expected + pool}{f' less {pool} pool ranks' if pool else ''} "
-              f"but {world_size} ranks were launched{' to train' if pool else ''}; launch {expected + pool} ranks or set "
-              f"nnodes/n_gpus_per_node to match")
+              f"but {world_size} ranks were launched{' to train' if pool else ''}; "
+              f"launch {expected + pool} ranks or set nnodes/n_gpus_per_node to match")
     validate(cfg)
     validate_layout(cfg, world_size)
     out = copy.deepcopy(cfg)
