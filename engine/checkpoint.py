@@ -44,16 +44,18 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_files import (MANIFEST_FILE, TMP_PREFIX, VERIFY_LEVELS, CheckpointError,
-                                     NonFiniteError, fsync_dir, load_safe, make_durable,
-                                     manifest_entries, save_safe, verify_checkpoint,
-                                     verify_manifest, write_atomic, write_manifest)
+from engine.checkpoint_files import (MANIFEST_FILE, META_FILE, TMP_PREFIX, VERIFY_LEVELS,
+                                     CheckpointError, NonFiniteError, fsync_dir, load_safe,
+                                     make_durable, manifest_entries, resume_path_problem,
+                                     save_safe, verify_checkpoint, verify_manifest, write_atomic,
+                                     write_manifest)
 from engine.checkpoint_files import barrier as _barrier
 from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
 from engine.checkpoint_files import world as _world
 from engine.checkpoint_state import (_adam_step, _check_finite, _check_model_matches, _create_optimizer_state,
-                                     _has_optimizer_state, _layout, _model_keys, _model_sharded_state_dict,
-                                     _optim_metadata, _restore_adam_steps, rng_state, set_rng_state)
+                                     _has_optimizer_state, _layout, _lora_of, _model_keys,
+                                     _model_sharded_state_dict, _optim_metadata, _restore_adam_steps,
+                                     reseed_rng, rng_state, set_rng_state)
 
 __all__ = ["CheckpointError", "CheckpointManager", "NonFiniteError", "verify_manifest",
            "write_manifest"]
@@ -62,7 +64,6 @@ logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 2  # 2: CRC-32 manifest, weights_only-safe pickles
@@ -160,13 +161,9 @@ class CheckpointManager:
             raise ValueError("trainer.resume_from_path is empty but trainer.resume_mode="
                              "'resume_path'; give the global_step_N directory to resume from")
         path = os.path.abspath(resume_from_path)
-        if not os.path.isdir(path):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} does not exist; give "
-                             "an existing global_step_N directory or use trainer.resume_mode=auto")
-        if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
-            raise ValueError(f"trainer.resume_from_path={resume_from_path!r} is not a complete "
-                             f"checkpoint (no {MANIFEST_FILE}: the save did not finish); pick "
-                             "another global_step_N directory")
+        problem = resume_path_problem(path)
+        if problem:
+            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")
         problem = self._check(path, level)
         if problem:
             raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r}: {problem}")
@@ -244,7 +241,8 @@ class CheckpointManager:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=with_scheduler,
-                               chunks=len(worker.models), adam_step=_adam_step(worker))
+                               chunks=len(worker.models), adam_step=_adam_step(worker),
+                               lora=_lora_of(worker))
         if with_extra:
             save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
                       f"the RNG state of rank {self.rank}")
@@ -294,11 +292,15 @@ class CheckpointManager:
 
     # -- loading ------------------------------------------------------------------------------
     def load(self, path: str, workers: Dict[str, object], *, load_optimizer: bool = True,
-             verify=None) -> dict:
+             verify=None, rng_seed: Optional[int] = None) -> dict:
         """Restore `workers` (models, optimizers, schedulers) and this rank's RNG from `path`;
         return the trainer state. Collective over all ranks. `path` is verified first (verify:
         None = the manager's level, "checksum", "size"; True / False = checksum / size) unless
-        resolve() just verified it."""
+        resolve() just verified it.
+
+        RNG: every rank restores its own saved state (rng/rank_{r}.pt). A checkpoint saved on
+        another number of ranks has no state for this layout: a warning, and with `rng_seed`
+        every rank reseeds from (rng_seed, rank, step) (`reseed_rng`)."""
         from megatron.core import dist_checkpointing
 
         path = os.path.abspath(path)
@@ -332,8 +334,13 @@ class CheckpointManager:
             if name not in meta["workers"]:
                 raise CheckpointError(f"checkpoint {path!r} has no worker {name!r} (it has "
                                       f"{sorted(meta['workers'])})")
-            _check_model_matches(name, worker, directory)
             info = meta["workers"][name]
+            if info.get("lora") != _lora_of(worker):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: worker {name!r} was saved with LoRA {info.get('lora')}, "
+                    f"this run has {_lora_of(worker)}; set actor_rollout_ref.model.lora_rank / "
+                    "lora_alpha / target_modules as in that run, or start without resuming")
+            _check_model_matches(name, worker, directory)
             state = _model_sharded_state_dict(worker)
             with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
             if with_optim:
@@ -342,7 +349,11 @@ class CheckpointManager:
                     dict(state), is_loading=True, metadata=_optim_metadata(meta["optim_sharding"]))
             loaded = dist_checkpointing.load(state, directory)
             for key, model in zip(_model_keys(worker), worker.models):
-                model.load_state_dict(loaded[key], strict=True)
+                if _lora_of(worker) is None:
+                    model.load_state_dict(loaded[key], strict=True)
+                else:
+                    from engine.models.lora import load_adapter_state
+                    load_adapter_state(model, loaded[key])
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])
@@ -357,8 +368,12 @@ class CheckpointManager:
         if meta["layout"]["world_size"] == _world() and os.path.exists(rng_file):
             set_rng_state(load_safe(rng_file))
         else:
-            logger.warning("checkpoint %s was saved on %s ranks, this run has %s: RNG states are "
-                           "not restored", path, meta["layout"]["world_size"], _world())
+            then = "reseeded from (seed, rank, step)" if rng_seed is not None else "left as they are"
+            logger.warning("checkpoint %s was saved on %s ranks, this run has %s: the saved RNG "
+                           "states do not apply; every rank's RNG is %s", path,
+                           meta["layout"]["world_size"], _world(), then)
+            if rng_seed is not None:
+                reseed_rng(rng_seed, self.rank, int(meta["step"]))
         trainer_state = load_safe(os.path.join(path, TRAINER_STATE_FILE))
         _barrier()
         return trainer_state

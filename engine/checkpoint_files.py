@@ -25,7 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.errors import UserError
+
 MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.json"  # step, layout, workers (engine/checkpoint.py writes it)
 MANIFEST_VERSION = 2
 CHECKSUM = "crc32"
 BLOCK = 8 << 20
@@ -34,7 +37,7 @@ TMP_PREFIX = ".tmp-"
 _NDARRAY = "__trident_ndarray__"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: incomplete, corrupted or not matching the model."""
 
 
@@ -193,6 +196,33 @@ def verify_manifest(directory, level="checksum"):
     problem = check_files(directory, read_manifest(directory), level)
     if problem:
         raise CheckpointError(problem)
+
+
+def resume_path_problem(path, workers=None) -> Optional[str]:
+    """Why `path` cannot be a checkpoint to resume from, or None: the cheap checks (directory,
+    manifest, meta.json, the workers it holds) that need no model and no other rank."""
+    if not path or not os.path.isdir(path):
+        return ("does not exist; give an existing global_step_N directory or use "
+                "trainer.resume_mode=auto")
+    if not os.path.exists(os.path.join(path, MANIFEST_FILE)):
+        return (f"is not a complete checkpoint (no {MANIFEST_FILE}: the save did not finish, or "
+                "it is not a global_step_N directory); pick another global_step_N directory")
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            saved = json.load(f)["workers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return (f"its {META_FILE} is missing or unreadable ({type(e).__name__}: {e}); the checkpoint "
+                "is damaged: pick another global_step_N directory")
+    try:  # sizes only (one stat per file): a truncated copy fails here, before any model is built
+        verify_manifest(path, "size")
+    except CheckpointError as e:
+        return str(e)
+    missing = [w for w in (workers or []) if w not in saved]
+    if missing:
+        return (f"it holds the workers {sorted(saved)} but this run trains {list(workers)}: it was "
+                "saved by a run of another algorithm (e.g. without a critic); resume with the "
+                "recipe that wrote it, or start fresh with trainer.resume_mode=disable")
+    return None
 
 
 # -- distributed helpers (work without torch.distributed too) ---------------------------------

@@ -1,6 +1,7 @@
 """What of a worker (model, optimizer, scheduler) and of a rank (RNG) a checkpoint holds, and
 the checks on them: finite values before saving, the model's shape before loading, the
 optimizer state Megatron needs created before it can load into it (engine/checkpoint.py)."""
+import hashlib
 import logging
 import random
 
@@ -66,6 +67,17 @@ def rng_state() -> dict:
     return state
 
 
+def reseed_rng(seed: int, rank: int, step: int):
+    """Seed python / numpy / torch (CPU and every CUDA device) from (seed, rank, step): where no
+    saved state fits (another world size), a deterministic start of its own per rank, never
+    rank 0's state copied."""
+    digest = hashlib.sha256(f"trident-rng/{seed}/{rank}/{step}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1
+    random.seed(value)
+    np.random.seed(value % (2 ** 32))
+    torch.manual_seed(value)
+
+
 def set_rng_state(state: dict):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     random.setstate(state["python"])
@@ -85,7 +97,18 @@ def _model_keys(worker):
 
 
 def _model_sharded_state_dict(worker) -> dict:
-    return {key: m.sharded_state_dict() for key, m in zip(_model_keys(worker), worker.models)}
+    """A LoRA worker's model part is its adapters only: the base comes from model.path (or the
+    seeded initialisation of an inline-config model) and is frozen."""
+    from engine.models.lora import adapter_only
+    lora = getattr(worker, "lora", None) is not None
+    return {key: adapter_only(m.sharded_state_dict()) if lora else m.sharded_state_dict()
+            for key, m in zip(_model_keys(worker), worker.models)}
+
+
+def _lora_of(worker):
+    """The LoRA settings recorded in meta.json (None: a full model)."""
+    spec = getattr(worker, "lora", None)
+    return None if spec is None else spec.as_dict()
 
 
 def _torch_optimizers(worker):
@@ -158,8 +181,16 @@ def _layout():
                 dp=ps.get_data_parallel_world_size(), world_size=_world())
 
 
-def _check_model_matches(name, worker, directory):
+def check_model_matches(chunks, directory, fix=None):
+    """CheckpointError (on every rank) unless the Megatron dist checkpoint `directory` holds
+    exactly the model tensors of `chunks` with their global shapes (tools/convert_checkpoint)."""
+    from types import SimpleNamespace
+    _check_model_matches("model", SimpleNamespace(models=chunks), directory, fix)
+
+
+def _check_model_matches(name, worker, directory, fix=None):
     """Clear error (on every rank) when the checkpoint's model tensors are not this model's."""
+    fix = fix or "build the model the checkpoint was saved from (same HF config) or start without resuming"
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -176,14 +207,12 @@ def _check_model_matches(name, worker, directory):
         keys.add(t.key)
         if t.key not in saved:
             problem = (f"worker {name!r}: the checkpoint {directory!r} has no tensor {t.key!r}; "
-                       "it was saved from a different model architecture. Build the model the "
-                       "checkpoint was saved from (same HF config) or start without resuming")
+                       f"it was saved from a different model architecture: {fix}")
             break
         if saved[t.key] != tuple(t.global_shape):
             problem = (f"worker {name!r}: tensor {t.key!r} has shape {saved[t.key]} in the "
                        f"checkpoint {directory!r} but {tuple(t.global_shape)} in this model; it "
-                       "was saved from a different model size. Build the model the checkpoint "
-                       "was saved from (same HF config) or start without resuming")
+                       f"was saved from a different model size: {fix}")
             break
     _raise_if_any(problem)
     # tensors no rank asks for (e.g. a value head the model lacks) mean another architecture
@@ -197,4 +226,4 @@ def _check_model_matches(name, worker, directory):
         raise CheckpointError(
             f"worker {name!r}: the checkpoint {directory!r} has tensors this model does not: "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; it was saved from a "
-            "different model architecture")
+            f"different model architecture: {fix}")

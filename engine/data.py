@@ -23,15 +23,42 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from engine.errors import DataError
+
 TRUNCATION_POLICIES = ("error", "filter", "left", "right")
 
 
 def write_prompt_parquet(rows, path):
-    """Write rows (dicts in the schema above) to a parquet file, creating its directory."""
+    """Write rows (dicts in the schema above) to a parquet file, creating its directory. The
+    file appears whole or not at all (written beside it, then renamed)."""
     if not rows:
         raise ValueError(f"no rows to write to {path}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read_parquet(path):
+    """The table of one parquet file (or directory of them); DataError when it is missing or
+    is not readable parquet (empty, truncated, another format named .parquet)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"data file {path!r} does not exist; check data.train_files / data.val_files")
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise DataError(f"data file {path!r} is empty (0 bytes); write it again (tools/prepare_data.py) "
+                        "or remove it from data.train_files / data.val_files")
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid: not parquet / truncated footer
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"data file {path!r} is not a readable parquet file ({reason}); it is "
+                        "probably truncated or in another format: write it again with "
+                        "tools/prepare_data.py") from None
 
 
 def read_prompt_rows(files):
@@ -39,9 +66,7 @@ def read_prompt_rows(files):
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     rows = []
     for path in files:
-        if not os.path.exists(path):
-            raise ValueError(f"data file {path!r} does not exist; check data.train_files / data.val_files")
-        rows.extend(pq.read_table(path).to_pylist())
+        rows.extend(read_parquet(path).to_pylist())
     return rows
 
 
@@ -76,7 +101,11 @@ class PromptDataset:
         self.filter_counts = {"data/filtered_empty_prompt": 0, "data/filtered_missing_ground_truth": 0,
                               "data/filtered_overlong": 0}
         self.num_truncated = 0
-        rows = data if _is_rows(data) else read_prompt_rows(data)
+        if _is_rows(data):
+            rows, self._where = data, ""
+        else:
+            files = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+            rows, self._where = read_prompt_rows(files), f" of {', '.join(repr(os.fspath(f)) for f in files)}"
         self.examples = []
         for index, row in enumerate(rows):
             example = self._example(index, row)
@@ -87,8 +116,8 @@ class PromptDataset:
         if self.truncation == "filter":
             self.filter_counts[counter] += 1
             return None
-        raise ValueError(f"prompt data row {index}: {message}; fix the data or set data.truncation='filter' "
-                         "to drop such rows")
+        raise DataError(f"prompt data row {index}{self._where}: {message}; fix the data or set "
+                        "data.truncation='filter' to drop such rows")
 
     def _prompt_text(self, prompt):
         if _is_messages(prompt):
@@ -104,8 +133,8 @@ class PromptDataset:
 
     def _example(self, index, row):
         if self.prompt_key not in row:
-            raise ValueError(f"prompt data row {index} has no field {self.prompt_key!r} (fields: "
-                             f"{sorted(row)}); set data.prompt_key to the prompt column")
+            raise DataError(f"prompt data row {index}{self._where} has no field {self.prompt_key!r} "
+                            f"(fields: {sorted(row)}); set data.prompt_key to the prompt column")
         prompt = row[self.prompt_key]
         if _is_empty(prompt):
             return self._bad_row("data/filtered_empty_prompt", index, f"field {self.prompt_key!r} is empty")
@@ -127,9 +156,10 @@ class PromptDataset:
                 self.filter_counts["data/filtered_overlong"] += 1
                 return None
             else:
-                raise ValueError(f"prompt data row {index}: field {self.prompt_key!r} has {len(input_ids)} tokens "
-                                 f"> data.max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
-                                 "set data.truncation to 'left', 'right' or 'filter'")
+                raise DataError(f"prompt data row {index}{self._where}: field {self.prompt_key!r} has "
+                                f"{len(input_ids)} tokens > data.max_prompt_length={self.max_prompt_length}; "
+                                "raise max_prompt_length or set data.truncation to 'left', 'right' or "
+                                "'filter'")
         return {
             "index": index,
             "input_ids": input_ids,

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.models import lora
 from engine.models.weights import megatron_to_hf
 from engine.config.phases import ROLLOUT_MEMORY
 from engine.rollout.base import RolloutEngine
@@ -76,22 +77,36 @@ class _Solo:
 
 
 def as_group(rollout):
+    """A rollout group (or None: the rollout lives on other ranks, a separate pool)."""
     return _Solo(rollout) if isinstance(rollout, RolloutEngine) else rollout
 
 
+def sync_plan(chunks):
+    """What `sync_weights` reuses between syncs (collective): a ReshardPlan, or for a LoRA model
+    a lora.MergePlan (the base weights are sent merged: W + (alpha / r) B A)."""
+    return lora.MergePlan.build(chunks) if lora.spec_of(chunks) else ReshardPlan.build(chunks)
+
+
 def sync_weights(chunks, rollout, hf_config, bucket_megabytes: float = 512,
-                 plan: Optional[ReshardPlan] = None) -> SyncStats:
+                 plan=None) -> SyncStats:
     """Send every weight of the training `chunks` to `rollout` (collective over all ranks): a
     `GroupedRollout`, or a `RolloutEngine` that every rank holds.
 
-    `plan` (a `ReshardPlan.build(chunks)` kept from an earlier call) skips the metadata exchange.
+    `plan` (a `sync_plan(chunks)` kept from an earlier call) skips the metadata exchange. A LoRA
+    model's adapters are merged into the full base tensors bucket by bucket (lora.merged_buckets);
+    the merged copy of a weight every rank holds whole (TP = PP = 1) is the only extra memory.
     """
     rollout = as_group(rollout)
     start = time.perf_counter()
     counter = MemoryCounter()
     sent = buckets = 0
+    plan = plan or sync_plan(chunks)
+    size = _bucket_bytes(bucket_megabytes)
+    stream = (lora.merged_buckets(chunks, size, plan, hf_config, counter=counter)
+              if isinstance(plan, lora.MergePlan)
+              else iter_buckets(chunks, size, plan=plan, counter=counter))
     rollout.begin_sync()
-    for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan, counter=counter):
+    for bucket in stream:
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
         rollout.load_bucket(_to_hf(hf_config, bucket))
         buckets += 1
@@ -126,7 +141,7 @@ class HybridEngine:
         if schedule is not None and set(self.workers) != set(schedule.models):
             raise ValueError(f"workers {sorted(self.workers)} do not match the schedule's models "
                              f"{sorted(schedule.models)}")
-        self._plan: Optional[ReshardPlan] = None
+        self._plan = None  # ReshardPlan, or lora.MergePlan for a LoRA actor
         self.rollout_memory = set(ROLLOUT_MEMORY)  # an engine starts with its memory taken
         self.record, self.log = False, []
 
@@ -135,7 +150,16 @@ class HybridEngine:
             return set(self.schedule.rollout(phase))
         return {"weights"} if phase == "sync" else set(ROLLOUT_MEMORY) if phase == "generate" else set()
 
+    def plan(self):
+        """The reshard plan (built on first use: collective); a lora.MergePlan for a LoRA actor
+        (which validation keeps off the separate pool)."""
+        if self._plan is None:
+            self._plan = sync_plan(self.chunks)
+        return self._plan
+
     def _rollout_to(self, wanted):
+        if self.rollout is None:  # a separate pool: nothing of the rollout on these devices
+            return
         gone = self.rollout_memory - wanted
         if gone:
             self.rollout.release_memory(sorted(gone))
@@ -164,8 +188,7 @@ class HybridEngine:
 
     def sync(self) -> SyncStats:
         """Collective: the colocated sync (phases.SYNC_ORDER); ends ready to generate."""
-        if self._plan is None:
-            self._plan = ReshardPlan.build(self.chunks)
+        self.plan()
         if self.workers:
             self._models_to("sync")  # training grads and optimizer state leave first
         self._rollout_to(self._rollout_wanted("sync"))  # the rollout's weights memory

@@ -396,13 +396,16 @@ def compute_throughput_metrics(total_tokens, step_time, n_ranks, flops=None, pea
     return metrics
 
 
-def reduce_over_dp(local, dp):
+def reduce_over_dp(local, dp, weights=None):
     """Mean / max / min metrics of equal-sized DP shards -> the global batch's (collective over
-    the data-parallel group)."""
+    the data-parallel group). `weights` {key: this shard's weight}: those keys are means over
+    units the shards hold different numbers of (tokens), so their global mean is weighted:
+    sum(w * v) / sum(w); an unweighted mean of shard means would depend on the DP size."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    weights = {k: float(w) for k, w in (weights or {}).items() if k in local}
     keys = sorted(local)
     group = ps.get_data_parallel_group()
     vals = {}
@@ -413,9 +416,13 @@ def reduce_over_dp(local, dp):
             dist.all_reduce(t, op=op, group=group)
             vals.update(zip(ks, t.tolist()))
     ks = [k for k in keys if k not in vals]
+    w = torch.tensor([weights.get(k, 1.0) for k in ks], dtype=torch.float64)
     t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
+    t = torch.cat([t * w, w])
     dist.all_reduce(t, group=group)
-    vals.update(zip(ks, (t / dp).tolist()))
+    total, weight = t[:len(ks)].tolist(), t[len(ks):].tolist()
+    for k, v, wt in zip(ks, total, weight):
+        vals[k] = (v / wt if wt > 0 else 0.0) if k in weights else v / dp
     return vals
 
 

@@ -19,9 +19,12 @@ reward: for arith / copy the graded one of engine/rewards/arith.py (dense enough
 rise from random init), for code the sandboxed tests.
 """
 import random
+import typing
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from engine.config.schema import BuiltinTask
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -29,7 +32,7 @@ CHARACTERS = list("0123456789+-*= #")
 # The template only prepends bos: the prompt text itself is the whole "conversation".
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
-BUILTIN_TASKS = ("arith", "copy", "code")
+BUILTIN_TASKS = typing.get_args(BuiltinTask)
 
 
 def build_tokenizer():

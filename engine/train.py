@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
+from engine.config import ConfigError
+from engine.errors import ModelError
 
 
 @dataclass
@@ -28,30 +28,71 @@ class Components:
     peak_flops: Optional[float]
     reward_model: Optional[Any] = None
     watch: Optional[Any] = None  # engine.guards.CollectiveWatch
+    bridge: Optional[Any] = None  # engine.rollout.pool.Bridge to a separate rollout pool
 
 
-def load_hf_config(model_cfg, vocab_size=None):
-    """The HF config of the model: from `model.path`, or built from the inline `model.config`."""
+def load_hf_config(model_cfg, vocab_size=None, key="actor_rollout_ref.model"):
+    """The HF config of the model: from `model.path`, or built from the inline `model.config`.
+    `key`: the recipe section of `model_cfg`, named in errors."""
     import transformers
     if model_cfg.path:
-        cfg = transformers.AutoConfig.from_pretrained(model_cfg.path,
-                                                      trust_remote_code=model_cfg.trust_remote_code)
+        if not os.path.isfile(os.path.join(model_cfg.path, "config.json")):
+            what = "does not exist" if not os.path.exists(model_cfg.path) else "has no config.json"
+            raise ConfigError(f"{key}.path={model_cfg.path!r} {what}; set it to a HuggingFace model "
+                              "directory (config.json + *.safetensors)")
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(model_cfg.path,
+                                                          trust_remote_code=model_cfg.trust_remote_code)
+        except _hf_config_errors() as e:  # unreadable JSON, unknown model_type, bad values
+            raise ConfigError(f"{key}.path={model_cfg.path!r}: its config.json is not usable: "
+                              f"{_hf_reason(e)}; fix config.json or pass another model directory") from None
     else:
         inline = dict(model_cfg.config)
         model_type = inline.pop("model_type", None)
         if model_type is None:
-            raise ValueError("actor_rollout_ref.model.config needs a model_type (e.g. llama)")
-        cfg = transformers.AutoConfig.for_model(model_type, **inline)
-    for key, value in (model_cfg.override_config or {}).items():
-        setattr(cfg, key, value)
+            raise ConfigError(f"{key}.config needs a model_type (e.g. llama)")
+        try:
+            cfg = transformers.AutoConfig.for_model(model_type, **inline)
+        except _hf_config_errors() as e:  # unknown model_type, or values transformers refuses
+            raise ConfigError(f"{key}.config (model_type={model_type!r}) is not usable: "
+                              f"{_hf_reason(e)}; fix {key}.config") from None
+    for name, value in (model_cfg.override_config or {}).items():
+        setattr(cfg, name, value)
     if not getattr(cfg, "architectures", None):
         from engine.models.arch import architecture_of
         cfg.architectures = [architecture_of(cfg)]
     if vocab_size is not None and cfg.vocab_size < vocab_size:
-        raise ValueError(f"the model's vocab_size={cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{vocab_size} tokens; set actor_rollout_ref.model.config.vocab_size >= "
-                         f"{vocab_size}")
+        raise ConfigError(f"{key}.config.vocab_size={cfg.vocab_size}: the model's vocabulary is smaller than "
+                          f"the tokenizer's {vocab_size} tokens; set it to >= {vocab_size}")
     return cfg
+
+
+def _hf_config_errors():
+    """What transformers raises for a config it refuses (not for its own bugs)."""
+    from huggingface_hub.errors import StrictDataclassError
+    return (OSError, ValueError, TypeError, StrictDataclassError)
+
+
+def _hf_reason(error):
+    """transformers' reason, short: the validator's own message, without the list of every
+    model type it knows."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    text = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+    if "Should contain one of" in text:
+        from engine.models.arch import _MODEL_TYPES
+        text = text.split(". Should contain one of")[0] + f" (Trident supports {', '.join(_MODEL_TYPES)})"
+    return text.rstrip(".")
+
+
+def model_spec(hf_config, model_cfg, key="actor_rollout_ref.model"):
+    """engine.models.arch.arch_spec, its errors saying which recipe section the config is from."""
+    from engine.errors import ModelError
+    from engine.models.arch import arch_spec
+    try:
+        return arch_spec(hf_config)
+    except ModelError as e:
+        where = f"{key}.path={model_cfg.path!r} (config.json)" if model_cfg.path else f"{key}.config"
+        raise ModelError(f"{where}: {e}") from None
 
 
 def load_tokenizer(cfg):
@@ -59,11 +100,20 @@ def load_tokenizer(cfg):
     model = cfg.actor_rollout_ref.model
     path = model.tokenizer_path or model.path
     if path:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+        key = "tokenizer_path" if model.tokenizer_path else "path"
+        if not os.path.isdir(path):
+            raise ConfigError(f"actor_rollout_ref.model.{key}={path!r} is not a directory; set it to "
+                              "a HuggingFace tokenizer (or model) directory")
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=model.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"actor_rollout_ref.model.{key}={path!r}: no usable tokenizer there "
+                              f"({str(e).splitlines()[0]}); point it at a directory with "
+                              "tokenizer.json / tokenizer_config.json") from None
     if cfg.data.builtin_task:
         from engine.tasks import build_tokenizer
         return build_tokenizer()
-    raise ValueError("no tokenizer: set actor_rollout_ref.model.tokenizer_path or model.path")
+    raise ConfigError("actor_rollout_ref.model.tokenizer_path=None: no tokenizer; set it or model.path")
 
 
 def load_datasets(cfg, tokenizer):
@@ -92,6 +142,8 @@ def load_datasets(cfg, tokenizer):
 
 def copy_weights(src_chunks, dst_chunks):
     """Same layout, same model: the reference starts as the actor."""
+    import torch
+
     from parallel.shards import local_shards
     src = {s.global_name: p for p, s in local_shards(src_chunks)}
     with torch.no_grad():
@@ -100,28 +152,121 @@ def copy_weights(src_chunks, dst_chunks):
                 p.copy_(src[s.global_name])
 
 
-def build(cfg, world_size, watch=None) -> Components:
-    """Every component of a run, on this rank, from a validated config."""
-    from engine.config import derive
+@dataclass
+class Prepared:
+    """What `prepare` read and checked before any process group exists."""
+    derived: Any
+    tokenizer: Any
+    train_data: Any
+    val_data: Optional[Any]
+    hf_config: Any
+    reward_model_config: Optional[Any] = None
+
+
+def prepare(cfg, world_size) -> Prepared:
+    """Every check that needs no process group and no model: tokenizer, data, layout and batch
+    arithmetic, the model's HF config against the layout, the checkpoint to resume. A bad
+    recipe, data file or model config fails here, on every rank alike, in seconds."""
+    from engine.config import derive, validate_layout
+
+    derived = derive(cfg, world_size)  # layout and batch arithmetic first: no file is read
+    resolved = derived.config
+    tokenizer = load_tokenizer(cfg)
+    model = resolved.actor_rollout_ref.model
+    hf_config = load_hf_config(model, vocab_size=len(tokenizer))
+    spec = model_spec(hf_config, model)  # the shape checks that need the model: layers, experts, heads
+    validate_layout(resolved, world_size, num_layers=spec.transformer["num_layers"],
+                    num_experts=spec.num_experts or 0,
+                    num_attention_heads=hf_config.num_attention_heads,
+                    num_query_groups=spec.transformer.get("num_query_groups"))
+    ppo = resolved.trainer.task == "ppo"
+    _check_weights(hf_config, model, "actor_rollout_ref.model", "lm" if ppo else None)
+    if resolved.trainer.resume_mode == "resume_path":
+        from engine.checkpoint import resume_path_problem
+        path = resolved.trainer.resume_from_path
+        problem = resume_path_problem(path, _trained_workers(derived) if ppo else None)
+        if problem:
+            raise ConfigError(f"trainer.resume_from_path={path!r}: {problem}")
+    if not ppo:  # reward model / DPO: engine/offline reads its preference pairs itself
+        return Prepared(derived, tokenizer, None, None, hf_config)
+    critic = resolved.critic.model
+    if derived.use_critic and (critic.path, critic.config) != (model.path, model.config):
+        critic_hf = load_hf_config(critic, vocab_size=len(tokenizer), key="critic.model")
+        model_spec(critic_hf, critic, "critic.model")
+        _check_weights(critic_hf, critic, "critic.model", "value")
+    rm_config = None
+    if resolved.reward_model.enable:
+        rm_config = load_hf_config(resolved.reward_model.model, key="reward_model.model")
+        model_spec(rm_config, resolved.reward_model.model, "reward_model.model")
+        implicit = resolved.reward_model.token_level == "implicit"  # a DPO policy: a language model
+        _check_weights(rm_config, resolved.reward_model.model, "reward_model.model", "lm" if implicit else "value")
+    from engine.rollout.registry import check_available
+    try:
+        check_available(resolved.actor_rollout_ref.rollout.name)
+    except ValueError as e:  # its messages name the key and the fix
+        raise ConfigError(str(e)) from None
+    train_data, val_data = load_datasets(cfg, tokenizer)
+    _check_dataset_size(cfg, train_data, val_data)
+    derived = derive(cfg, world_size, dataset_len=len(train_data))  # now with the step count
+    return Prepared(derived, tokenizer, train_data, val_data, hf_config, rm_config)
+
+
+def _check_weights(hf_config, model_cfg, key, head):
+    """The safetensors headers of `model_cfg.path` against its config (no tensor is read);
+    head None: only that they are readable (the head depends on the offline task)."""
+    if not model_cfg.path:
+        return
+    if head is None:
+        from engine.models import hf_io
+        try:
+            hf_io.read_index(model_cfg.path)
+        except ModelError as e:
+            raise ModelError(f"{key}.path={model_cfg.path!r}: {e}") from None
+        return
+    from engine.models import hf_io
+    try:
+        hf_io.validate_checkpoint(hf_config, hf_io.read_index(model_cfg.path), head)
+    except ModelError as e:
+        raise ModelError(f"{key}.path={model_cfg.path!r}: {e}") from None
+
+
+def _trained_workers(derived):
+    return ["actor"] + (["critic"] if derived.use_critic else [])
+
+
+def _check_dataset_size(cfg, train_data, val_data):
+    """The loader needs one full batch of usable prompts (after filtering)."""
+    from engine.errors import DataError
+    batch = cfg.data.train_batch_size
+    where = f"data.train_files={cfg.data.train_files!r}" if cfg.data.train_files else \
+        f"data.offline_path={cfg.data.offline_path!r}" if cfg.data.offline_path else \
+        f"data.builtin_task={cfg.data.builtin_task!r}"
+    if len(train_data) < batch:
+        filtered = sum(getattr(train_data, "filter_counts", {}).values())
+        why = f" ({filtered} rows filtered out by data.truncation='filter')" if filtered else ""
+        raise DataError(f"{where} has {len(train_data)} usable prompts{why}, fewer than "
+                        f"data.train_batch_size={batch}; lower train_batch_size or add data")
+    if val_data is not None and len(val_data) == 0:
+        raise DataError(f"data.val_files={cfg.data.val_files!r} has no usable prompts; fix the files "
+                        "or set data.val_files=[]")
+
+
+def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, bridge=None) -> Components:
+    """Every component of a run, on this rank, from a validated config (`prepared`: what
+    `prepare(cfg, world_size)` returned, computed here when not given; `bridge`: to a separate
+    rollout pool)."""
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
     from engine.workers.critic import CriticWorker
     from parallel.mesh import init_mesh
 
-    tokenizer = load_tokenizer(cfg)
-    train_data, val_data = load_datasets(cfg, tokenizer)
-    derived = derive(cfg, world_size, dataset_len=len(train_data))
+    prepared = prepared or prepare(cfg, world_size)
+    derived, tokenizer, hf_config = prepared.derived, prepared.tokenizer, prepared.hf_config
+    train_data, val_data = prepared.train_data, prepared.val_data
     cfg = derived.config
     arr = cfg.actor_rollout_ref
     init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
-    hf_config = load_hf_config(arr.model, vocab_size=len(tokenizer))
-    from engine.config import validate_layout
-    from engine.models.arch import arch_spec
-    spec = arch_spec(hf_config)  # the shape checks that need the model: layers, experts, heads
-    validate_layout(cfg, world_size, num_layers=spec.transformer["num_layers"],
-                    num_experts=spec.num_experts or 0,
-                    num_attention_heads=hf_config.num_attention_heads)
     steps = cfg.trainer.total_training_steps
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     response_length = arr.rollout.response_length
@@ -130,10 +275,12 @@ def build(cfg, world_size, watch=None) -> Components:
     critic = ref = None
     if derived.use_critic:  # its own model (critic.model.path / config; the actor's when unset)
         own = (cfg.critic.model.path, cfg.critic.model.config) != (arr.model.path, arr.model.config)
-        critic_hf = load_hf_config(cfg.critic.model, vocab_size=len(tokenizer)) if own else hf_config
+        critic_hf = (load_hf_config(cfg.critic.model, vocab_size=len(tokenizer), key="critic.model")
+                     if own else hf_config)
         critic = CriticWorker(critic_hf, cfg.critic, cfg.critic.model, total_steps=steps,
                               pad_token_id=pad, response_length=response_length)
-    if derived.use_reference:
+    # a LoRA actor's reference is its own base (adapters off): no second model is built
+    if derived.use_reference and actor.lora is None:
         ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
     from engine.models.hf_io import load_hf_weights
     if arr.model.path:
@@ -147,7 +294,10 @@ def build(cfg, world_size, watch=None) -> Components:
     for worker in (actor, critic):
         if worker is not None and worker.optimizer is not None:
             worker.optimizer.reload_model_params()
-    rollout = build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
+    if derived.use_reference and actor.lora is not None:
+        ref = actor.base_reference()
+    separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
+    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
     custom = None
@@ -163,7 +313,7 @@ def build(cfg, world_size, watch=None) -> Components:
     if cfg.reward_model.enable:  # scores added to the rule rewards (the manager sums them)
         from engine.models.hf_io import load_hf_weights
         from engine.workers.reward_model import ImplicitRewardWorker, RewardModelWorker
-        rm_config = load_hf_config(cfg.reward_model.model)
+        rm_config = prepared.reward_model_config
         if cfg.reward_model.token_level == "implicit":  # a DPO policy: per-token log-ratio to the reference
             reward_model = ImplicitRewardWorker(rm_config, cfg.reward_model, beta=cfg.algorithm.dpo.beta,
                                                 pad_token_id=pad)
@@ -178,10 +328,10 @@ def build(cfg, world_size, watch=None) -> Components:
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model, watch)
+                               train_data, val_data, checkpoints, peak, reward_model, watch, bridge)
 
 
-def build_rollout(cfg, topology, hf_config, tokenizer):
+def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None):
     """This rank's part of the rollout groups; the ranks the topology names build the engine."""
     from megatron.core import parallel_state as ps
 
@@ -194,7 +344,8 @@ def build_rollout(cfg, topology, hf_config, tokenizer):
 
     def engine(placement):
         return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement))
-    return GroupedRollout(topology, backend_class(r.name), engine, dp_rank=ps.get_data_parallel_rank())
+    return GroupedRollout(topology, backend_class(r.name), engine,
+                          dp_rank=ps.get_data_parallel_rank() if dp_rank is None else dp_rank)
 
 
 def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
@@ -224,31 +375,79 @@ def _config_dir(hf_config, tokenizer):
     return path
 
 
+def serve_pool(cfg, bridge, n_train):
+    """A separate pool's rank: its part of the rollout groups, serving the trainers' requests."""
+    from engine.config import derive
+    from engine.rollout.pool import serve
+    from engine.trainer import Trainer
+    tokenizer = load_tokenizer(cfg)
+    derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
+    hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
+    group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
+    try:
+        serve(bridge, group, n_train, generate=Trainer._engine_generate)
+    finally:
+        group.shutdown()
+
+
 def main(argv=None):
+    from engine.errors import run_main
+    return run_main(_main, argv)
+
+
+def _main(argv=None):
     from engine.config import load_config
-    from engine.trainer import Trainer, set_seed
-    from parallel.mesh import init_distributed
+    from engine.errors import UsageError
+    from engine.phase import set_phase
 
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-"):
+    usage = "usage: torchrun --nproc_per_node N -m engine.train RECIPE.yaml [key=value ...]"
+    if argv[:1] in (["-h"], ["--help"]):
         print(__doc__.strip())
-        return 2
+        return 0
+    if not argv:
+        raise UsageError(f"no recipe given; {usage}")
+    if argv[0].startswith("-"):
+        raise UsageError(f"unknown option {argv[0]!r}; {usage}")
     recipe, overrides = argv[0], argv[1:]
     cfg = load_config(recipe, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.trainer.rollout_pool == "separate":  # the training ranks' world
+        world_size -= cfg.trainer.rollout_pool_ranks
+    prepared = prepare(cfg, world_size)  # every check that needs no process group
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.trainer import Trainer, set_seed
+    from parallel.mesh import init_distributed
     if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from engine.guards import CollectiveWatch, is_collective_failure
     watch = CollectiveWatch().install()
-    init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    components, bridge, serving = None, None, False
+    if cfg.trainer.rollout_pool == "separate":  # two worlds: trainers, pool (engine/rollout/pool.py)
+        from engine.rollout.pool import Bridge, pool_ranks
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        train, pool = pool_ranks(world, cfg.trainer.rollout_pool_ranks)
+        bridge = Bridge(rank, world, cfg.trainer.collective_timeout_s)
+        serving = rank in pool
+        init_distributed(cfg.trainer.collective_timeout_s, ranks=pool if serving else train,
+                         name="pool" if serving else "train")
+    else:
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + dist.get_rank())
-    components = None
     try:
-        if cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+        if serving:
+            serve_pool(cfg, bridge, len(train))
+        elif cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
             from engine.offline.build import build_offline
             build_offline(cfg, dist.get_world_size()).fit()
         else:
-            derived, components = build(cfg, dist.get_world_size(), watch=watch)
-            Trainer(derived, components).fit()
+            derived, components = build(cfg, dist.get_world_size(), watch=watch, prepared=prepared, bridge=bridge)
+            trainer = Trainer(derived, components)
+            set_phase("training")
+            trainer.fit()
     except Exception as e:
         if not is_collective_failure(e):
             raise
@@ -258,8 +457,10 @@ def main(argv=None):
         os._exit(1)
     finally:
         if components is not None:
-            components.rollout.shutdown()
+            if components.rollout is not None:
+                components.rollout.shutdown()
             components.reward_fn.close()
+    set_phase("shutdown")
     dist.barrier()
     dist.destroy_process_group()
     return 0

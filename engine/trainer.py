@@ -22,15 +22,17 @@ from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
+from engine.checkpoint_state import reseed_rng
 from engine.data import PromptLoader
-from engine.experience import build_experience
+from engine.experience import Pool, build_experience
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp)
 from engine.perf import CommTimer, model_flops_params, step_flops
+from engine.phase import set_phase
 from engine.rollout.batches import sampling_params, training_batch
-from engine.validation import validate
+from engine.validation import validate, validate_from
 from parallel.cpu import suspended as cpu_function_mode_suspended
 
 
@@ -63,6 +65,9 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
+        self.replica_group = None
+        if c.bridge is not None:  # a separate rollout pool
+            self.experience = self._pool(c.bridge, derived)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
         self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
         for worker in (self.actor, self.critic):
@@ -85,7 +90,8 @@ class Trainer:
         # decided from the config, the same on every rank (the skipped forward has collectives)
         self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
                                    and plan.mini_batches_per_epoch == 1
-                                   and not alg.use_kl_in_reward and not self.experience.needs_old_log_probs)
+                                   and not alg.use_kl_in_reward and cfg.trainer.off_policy_steps == 0
+                                   and not self.experience.needs_old_log_probs)
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
         # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
@@ -101,8 +107,9 @@ class Trainer:
         self.resume()
         if trainer.val_before_train and trainer.test_freq > 0 and self.step_count == 0:
             self.logger.log(self.validate(), self.step_count)
+        self.first_step = self.step_count
         while self.step_count < self.total_steps:
-            prompts = self.loader.next_batch()
+            prompts = self.experience.prompts(self)
             faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
@@ -128,6 +135,8 @@ class Trainer:
             if self.rank == 0 and not source:  # a built-in task's tokenizer
                 self.tokenizer.save_pretrained(out)
         self.logger.close()
+        if isinstance(self.experience, Pool):
+            self.experience.client.stop()
         return self.step_count
 
     def train_step(self, prompts):
@@ -220,8 +229,10 @@ class Trainer:
             self.watch.phase = name
         if self.comm is not None:
             self.comm.phase = name
+        set_phase(name)  # what a launcher reports if this rank dies here (engine.launch_ray)
         with Timer(name, timings):
             yield
+        set_phase("training")
         if self.comm is not None:
             self.comm.phase = "other"
 
@@ -305,9 +316,17 @@ class Trainer:
             values=batch["values"] if "values" in batch else None,
             response_mask=batch["response_mask"], group_index=list(batch["uid"]),
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None)
+            reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
+            batch_sum=self._dp_sum)
         batch["advantages"], batch["returns"] = adv, ret
         return batch
+
+    @staticmethod
+    def _dp_sum(t):
+        """Sum over the DP ranks (whitening statistics of the global batch, not this shard's:
+        the advantages must not depend on the DP size). TP / CP ranks hold the same data."""
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return t
 
     # -- metrics ---------------------------------------------------------------------------
     def _global_data_metrics(self, batch):
@@ -316,7 +335,10 @@ class Trainer:
             batch["returns"], batch["response_mask"], prompt_mask=batch["prompt_mask"],
             values=batch["values"] if "values" in batch else None,
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
-        return reduce_over_dp(local, self.dp)
+        # token means: weighted by each shard's valid tokens, so the global batch's token mean
+        tokens = float(batch["response_mask"].sum())
+        token_means = ("critic/advantages/mean", "critic/returns/mean", "critic/values/mean")
+        return reduce_over_dp(local, self.dp, weights={k: tokens for k in token_means})
 
     def _perf_metrics(self, batch, timings):
         step_time = timings["timing_s/step"]
@@ -353,9 +375,30 @@ class Trainer:
         return out
 
     # -- validation --------------------------------------------------------------------------
+    def _pool(self, bridge, derived):
+        """The training end of a separate rollout pool (engine/rollout/pool.py)."""
+        from engine.rollout.pool import PoolClient, pool_ranks
+        from engine.rollout.topology import replicas_of
+        every = [None] * self.world
+        dist.all_gather_object(every, self.dp_rank)
+        replicas = replicas_of(every)
+        for ranks in replicas:
+            group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self.replica_group = group
+        t = self.cfg.trainer
+        train, pool = pool_ranks(self.world + t.rollout_pool_ranks, t.rollout_pool_ranks)
+        leaders = [pool.start + g.leader for g in derived.rollout_topology.groups]
+        return Pool(self.cfg, PoolClient(bridge, train, pool, replicas, leaders), t.off_policy_steps)
+
     def validate(self):
         if self.val_data is None or len(self.val_data) == 0:
             return {}
+        if isinstance(self.experience, Pool):
+            self.experience.before_validation(self)
+            return validate_from(self.experience.client.validate(
+                [self.val_data[i]["input_ids"] for i in range(len(self.val_data))], self._sampling(train=False)),
+                self.val_data, self.tokenizer, self.reward_fn, self.eos_ids)
         self.sync_weights()
         self.hybrid.enter("validate")
         return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
@@ -364,15 +407,15 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
-        return {"step": self.step_count, "loader": self.loader.state_dict(),
+        # no RNG here: this dict is rank 0's; the checkpoint manager saves and restores every
+        # rank's own RNG states (python / numpy / torch / CUDA / Megatron's tracker)
+        return {"step": self.step_count, "loader": self.experience.loader_state(self),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
                 "guard": self.guard.state_dict(),
                 "experience": self.experience.state_dict(),  # collective: a replay buffer's contents
-                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None},
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}
+                "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None}}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
@@ -382,7 +425,7 @@ class Trainer:
                       "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
                       flush=True)
             self.loader.seek(self.step_count)
-            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
             return
         self.loader.load_state_dict(state["loader"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
@@ -394,11 +437,7 @@ class Trainer:
         self.experience.load_state_dict(state.get("experience") or {})
         for name, split in state.get("splits", {}).items():  # sizes an out-of-memory settled on
             self.workers()[name].split = tuple(split)
-        rng = state.get("rng")
-        if rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        # an older checkpoint's "rng" entry is rank 0's state: never copied onto every rank
 
     def workers(self):
         out = {"actor": self.actor}
@@ -420,7 +459,8 @@ class Trainer:
         path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
         if path is not None:
             self.hybrid.enter("checkpoint")
-            self.load_state_dict(self.checkpoints.load(path, self.workers()))
+            self.load_state_dict(self.checkpoints.load(path, self.workers(),
+                                                       rng_seed=self.cfg.trainer.seed))
             self.logger.truncate_after(self.step_count)
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))
@@ -437,7 +477,7 @@ class Trainer:
         if path is None:
             self.logger.start_fresh()
             return
-        state = self.checkpoints.load(path, self.workers())
+        state = self.checkpoints.load(path, self.workers(), rng_seed=self.cfg.trainer.seed)
         self.load_state_dict(state)
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:

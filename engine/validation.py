@@ -30,6 +30,10 @@ def validate(rollout, val_data, tokenizer, reward_fn, sampling, eos_ids, batch_s
             s = reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
             sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)
             sums[row["data_source"]][1] += 1
+    return _gather(sums)
+
+
+def _gather(sums):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(sums))  # a few numbers per rank
     total = defaultdict(lambda: [0.0, 0])
@@ -40,3 +44,18 @@ def validate(rollout, val_data, tokenizer, reward_fn, sampling, eos_ids, batch_s
     metrics = {f"val/{src}/score/mean": v / c for src, (v, c) in total.items()}
     metrics["val/score/mean"] = sum(v for v, _ in total.values()) / max(1, sum(c for _, c in total.values()))
     return metrics
+
+
+def validate_from(responses, val_data, tokenizer, reward_fn, eos_ids):
+    """The same metrics from responses generated elsewhere (a separate rollout pool hands them to
+    training rank 0; None on the other ranks); collective over the training ranks."""
+    sums = defaultdict(lambda: [0.0, 0])
+    if responses is not None:
+        texts = tokenizer.batch_decode([r[:-1] if r and r[-1] in eos_ids else r for r in responses],
+                                       skip_special_tokens=reward_fn.skip_special_tokens)
+        for i, text in enumerate(texts):
+            row = val_data[i]
+            s = reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
+            sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)
+            sums[row["data_source"]][1] += 1
+    return _gather(sums)

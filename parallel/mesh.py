@@ -62,9 +62,37 @@ def device_type():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed(timeout_s: float = 600.0):
-    """Initialise torch.distributed from torchrun's environment (or as a single process)."""
+_LAUNCH_STORE = []
+
+
+def launch_store(timeout_s: float = 600.0):
+    """The key-value store every launched rank reaches: torchrun's own (agent store), else one
+    rank 0 serves at MASTER_ADDR:MASTER_PORT. Created once per process."""
+    if not _LAUNCH_STORE:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        _LAUNCH_STORE.append(dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                           int(os.environ.get("MASTER_PORT", "29500")), world,
+                                           is_master=not agent and rank == 0, timeout=timedelta(seconds=timeout_s)))
+    return _LAUNCH_STORE[0]
+
+
+def init_distributed(timeout_s: float = 600.0, ranks: Optional[range] = None, name: str = "world"):
+    """Initialise torch.distributed from torchrun's environment (or as a single process).
+
+    `ranks`: only these of the launched ranks form the world (this rank must be one of them),
+    meeting under `name` in the launch store (a separate rollout pool trains on some ranks and
+    generates on the others: two worlds, engine/rollout/pool.py bridges them)."""
     if dist.is_initialized():
+        return
+    if ranks is not None:
+        rank = int(os.environ["RANK"])
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                store=dist.PrefixStore(f"trident-{name}/", launch_store(timeout_s)),
+                                rank=rank - ranks.start, world_size=len(ranks),
+                                timeout=timedelta(seconds=timeout_s))
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")

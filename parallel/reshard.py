@@ -20,7 +20,7 @@ Model-agnostic: names stay Megatron's global names; engine/models maps them to H
 """
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,10 +112,11 @@ class ReshardPlan:
     tensors: Tuple[TensorPlan, ...]
 
     @classmethod
-    def build(cls, chunks) -> "ReshardPlan":
-        """Collective over all ranks: one all_gather_object of this rank's shard metadata."""
+    def build(cls, chunks, select: Optional[Callable[[str], bool]] = None) -> "ReshardPlan":
+        """Collective over all ranks: one all_gather_object of this rank's shard metadata.
+        `select(global_name)`: only those tensors (e.g. a LoRA model's base weights)."""
         mine = [(s.global_name, s.global_shape, param.dtype, s.dim, s.index, s.count, s.gated)
-                for param, s in local_shards(chunks)]
+                for param, s in local_shards(chunks) if select is None or select(s.global_name)]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         world = len(every)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
-_GATED_FC1 = re.compile(r"(^|\.)(mlp|shared_experts|local_experts\.\d+)\.linear_fc1\.(weight|bias)$")
+# a gated fc1's rows are [gate; up]; so are the rows of a LoRA B on it (lora_B.weight)
+_GATED_FC1 = re.compile(r"(^|\.)(mlp|shared_experts|local_experts\.\d+)\.linear_fc1\."
+                        r"(weight|bias|lora_B\.weight)$")
 
 
 @dataclass(frozen=True)

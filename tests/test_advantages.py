@@ -220,3 +220,60 @@ def test_bad_shapes_and_group_lengths_are_named():
         compute_grpo_outcome_advantage(rand(1, B, T), mask, GROUPS[:-1])
     with pytest.raises(ValueError, match="reward_baselines"):
         compute_remax_advantage(rand(1, B, T), rand(2, B + 1), mask)
+
+
+# -- whitening over the global batch under data parallelism -----------------------------------
+SHARDED = ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ROWS = 8
+SHARD_GROUPS = ["a", "a", "b", "b", "c", "c", "c", "d"]  # no group straddles the two shards
+
+
+def _full_fields(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (ROWS,), generator=g)
+    lengths[:4] = torch.tensor([1, 2, 1, 3])  # the shards hold very different token counts
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    return dict(token_level_rewards=torch.randn(ROWS, T, generator=g, dtype=torch.float64),
+                values=torch.randn(ROWS, T, generator=g, dtype=torch.float64) + 3.0,
+                response_mask=mask, group_index=SHARD_GROUPS, gamma=0.9, lam=0.8)
+
+
+def _shard(fields, rows):
+    return {k: ([v[i] for i in rows] if isinstance(v, list) else v[rows]
+                if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+
+
+def _estimate_on_shards(seed):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = list(range(rank * ROWS // world, (rank + 1) * ROWS // world))
+    mine = _shard(_full_fields(seed), rows)
+
+    def batch_sum(t):
+        dist.all_reduce(t)
+        return t
+    return {name: (compute_advantage(name, batch_sum=batch_sum, **mine),
+                   compute_advantage(name, **mine)) for name in SHARDED}
+
+
+def test_whitening_is_over_the_global_batch_on_every_dp_rank():
+    """Each of 2 gloo ranks whitens its shard with the batch's statistics (batch_sum: the
+    all-reduce): together they give the one-process advantages of the whole batch, and the
+    written formula (mean / unbiased std of every valid token of the batch)."""
+    from tests.multirank import run_on_ranks
+
+    fields = _full_fields(21)
+    shards = run_on_ranks(_estimate_on_shards, 2, 21)
+    for name in SHARDED:
+        whole_adv, whole_ret = compute_advantage(name, **fields)
+        adv = torch.cat([s[name][0][0] for s in shards])
+        ret = torch.cat([s[name][0][1] for s in shards])
+        torch.testing.assert_close(adv, whole_adv, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ret, whole_ret, rtol=0, atol=1e-12)
+        local = torch.cat([s[name][1][0] for s in shards])  # per-shard whitening: what it was
+        assert (local - whole_adv).abs().max() > 1e-2, name
+    # the written formula, for REINFORCE++: whiten the discounted returns over the batch
+    mask = fields["response_mask"]
+    raw = compute_advantage("reinforce_plus_plus", **fields)[1]
+    adv = torch.cat([s["reinforce_plus_plus"][0][0] for s in shards])
+    torch.testing.assert_close(adv, whiten_reference(raw.tolist(), mask))

@@ -151,7 +151,7 @@ def test_non_finite_values_are_never_saved(tmp_path, where):
 
 # -- one process (no workers): the trainer state, RNG files, the manifest ----------------------
 def _trainer_like_state():
-    """What Trainer.state_dict holds: python / numpy / torch RNG states and plain values."""
+    """A trainer-like state holding numpy values (RNG states, scalars) and plain values."""
     return {"step": 3, "loader": {"epoch": 0, "batches_done": 2}, "kl_ctrl": {"value": 0.1},
             "kl_guard": None, "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                                       "torch": torch.get_rng_state()},
@@ -174,7 +174,7 @@ def test_trainer_state_round_trips_through_weights_only_files(tmp_path):
     assert (pos, has_gauss, gauss) == tuple(state["rng"]["numpy"][2:])
     assert torch.equal(back["rng"]["torch"], state["rng"]["torch"])
     assert type(back["scalars"][0]) is np.float32 and back["scalars"] == state["scalars"]
-    np.random.set_state(back["rng"]["numpy"])  # what Trainer.load_state_dict does with it
+    np.random.set_state(back["rng"]["numpy"])  # the restored state works as numpy's
     first = np.random.rand(3)
     np.random.set_state(state["rng"]["numpy"])
     assert np.array_equal(first, np.random.rand(3))

@@ -95,6 +95,22 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy
             "actor/kl_loss", "actor/grad_norm", "actor/lr", "response_length/mean")
 
 
+def _kill_after_checkpoint(tmp_path, name, extra, steps, step):
+    """Launch a run and SIGKILL it (launcher and every worker) as soon as the step-`step`
+    checkpoint appears, i.e. during the next step."""
+    proc = _launch(tmp_path, name, extra, steps=steps)
+    ckpt = tmp_path / "ckpt" / name / f"global_step_{step}"
+    assert _wait_for(ckpt.exists, 240, proc), f"the step-{step} checkpoint never appeared"
+    # within ~20 ms; torchrun starts its workers in sessions of their own, so every
+    # descendant is killed, not just the launcher's process group
+    import psutil
+    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs([p for p in map(_process_or_none, victims) if p], timeout=30)
+
+
 def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
     """A run SIGKILLed during step 3 (after the step-2 checkpoint) and resumed gives, at step 4,
     the same metrics and bit-identical weights as a run that was never interrupted."""
@@ -102,17 +118,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
               "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
     _, straight = _run(tmp_path, "straight", common, steps=4)
 
-    proc = _launch(tmp_path, "killed", common, steps=4)
-    ckpt = tmp_path / "ckpt" / "killed" / "global_step_2"
-    assert _wait_for(ckpt.exists, 240, proc), "the step-2 checkpoint never appeared"
-    # within ~20 ms, i.e. during step 3; torchrun starts its workers in sessions of their own,
-    # so every descendant is killed, not just the launcher's process group
-    import psutil
-    victims = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs([p for p in map(_process_or_none, victims) if p], timeout=30)
+    _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
     assert not (tmp_path / "ckpt" / "killed" / "hf" / "step_4").exists()
     out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
     assert "resumed from" in out and "at step 2" in out, out[-2000:]
@@ -150,3 +156,27 @@ def test_exact_kl_loss_and_reward_train(tmp_path):
     # step 1's first mini-batch is the reference itself (KL 0); the second one is not
     assert records[0]["actor/kl_loss"] >= 0 and records[1]["actor/kl_loss"] > 0
     assert records[0]["actor/reward_kl_penalty"] == 0 < records[1]["actor/reward_kl_penalty"]
+
+
+def test_kl_guard_state_resumes_exactly(tmp_path):
+    """The KL guard fires at every step (a ceiling below any KL): its coefficient grows x1.2 per
+    step and drives the KL loss. Killed after the step-2 checkpoint (two steps before the end:
+    slack for a loaded machine) and resumed, the run gives the uninterrupted run's
+    kl_guard/kl_coef and actor/kl_coef at every step."""
+    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "algorithm.kl_guard.enable=true",
+              "algorithm.kl_guard.kl_ceiling=1e-12"]
+    _, straight = _run(tmp_path, "straight", common, steps=4)
+    coef = [0.001 * 1.2 ** k for k in range(5)]  # actor.kl_loss_coef 0.001, raised every step
+    assert [r["kl_guard/action"] for r in straight] == [1, 1, 1, 1]
+    assert [r["kl_guard/kl_coef"] for r in straight] == pytest.approx(coef[1:], rel=1e-12)
+    assert [r["actor/kl_coef"] for r in straight] == pytest.approx(coef[:4], rel=1e-12)
+
+    _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
+    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
+    assert "resumed from" in out and "at step 2" in out, out[-2000:]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        for key in ("kl_guard/kl_coef", "actor/kl_coef", "kl_guard/action"):
+            assert b[key] == a[key], (a["step"], key)
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (a["step"], key)

@@ -208,7 +208,7 @@ def test_value_loss_matches_clipped_formula(cliprange):
             v, v_old, r = float(values[i, t]), float(old_values[i, t]), float(returns[i, t])
             unclipped = (v - r) ** 2
             clipped = unclipped if cliprange is None else \
-                (v_old + min(max(v - v_old, -cliprange), cliprange) - r) ** 2
+                (min(max(v, v_old - cliprange), v_old + cliprange) - r) ** 2
             losses[i][t], flags[i][t] = 0.5 * max(unclipped, clipped), float(clipped > unclipped)
     for mode in LOSS_AGG_MODES:
         vf_loss, vf_clipfrac = value_loss(values, old_values, returns, mask, cliprange, mode)
@@ -216,6 +216,45 @@ def test_value_loss_matches_clipped_formula(cliprange):
         assert float(vf_clipfrac) == pytest.approx(agg_reference(flags, mask, "token-mean"))
     if cliprange is not None:
         assert 0 < float(vf_clipfrac) < 1
+
+
+def _float32_values(seed, spread, cliprange):
+    """fp32 values, old values and returns: |V - V_old| < cliprange, except (spread > 1) on
+    about half the tokens. Drawn in float64 then rounded, so every mantissa bit is used."""
+    old = rand(seed, B, T, scale=0.1)
+    step = rand(seed + 1, B, T).tanh() * cliprange * 0.99 * spread
+    return ((old + step).float(), old.float(), rand(seed + 2, B, T).float())
+
+
+def test_value_clipfrac_counts_only_tokens_where_the_bound_binds():
+    """fp32 values inside the clip range: V_clip is V itself and nothing counts as clipped,
+    though old + (V - old) is not V for many of them (what the clipfrac used to count)."""
+    cliprange, mask = 0.2, make_mask(44)
+    values, old, returns = _float32_values(45, 1.0, cliprange)
+    assert ((values - old).abs() < cliprange).all()
+    assert (old + (values - old) != values).any()  # the data has such rounding cases
+    _, clipfrac = value_loss(values, old, returns, mask.float(), cliprange)
+    assert float(clipfrac) == 0.0
+
+    values, old, returns = _float32_values(46, 2.0, cliprange)  # now the bound binds somewhere
+    values.requires_grad_(True)
+    loss, clipfrac = value_loss(values, old, returns, mask.float(), cliprange)
+    loss.backward()
+    n = float(mask.sum())
+    flags, ref_loss, ref_grad = 0, 0.0, torch.zeros(B, T, dtype=torch.float64)
+    for i in range(B):
+        for t in valid(mask, i):
+            v, v_old, r = (float(x[i, t]) for x in (values.detach(), old, returns))
+            bound = abs(v - v_old) > cliprange
+            v_clip = min(max(v, v_old - cliprange), v_old + cliprange)
+            clipped = bound and (v_clip - r) ** 2 > (v - r) ** 2
+            flags += clipped
+            ref_loss += 0.5 * ((v_clip - r) ** 2 if clipped else (v - r) ** 2) / n
+            ref_grad[i, t] = 0.0 if clipped else (v - r) / n  # a bound V_clip has no gradient
+    assert 0 < flags < n
+    assert float(clipfrac) == pytest.approx(flags / n, abs=1e-7)
+    assert float(loss.detach()) == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(values.grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_entropy_bonus_is_the_aggregated_entropy():

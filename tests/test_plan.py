@@ -160,7 +160,8 @@ CASES = [  # (world, tp, sp, model, micro, n_micro, seq)
 def test_cpu_estimate_matches_measured_peak(case):
     world, tp, sp, model, micro, n_micro, seq = case
     cfg = from_dict(_recipe(model, world, tp, sp, micro, n_micro, seq))
-    predicted = estimate(cfg, world, gpu_mem_gib=64, device="cpu")["training_peak"]
+    # the planner's actor_update phase (engine/config/phases.py): the phase this loop measures
+    predicted = estimate(cfg, world, gpu_mem_gib=64, device="cpu")["phases"]["actor_update"]
     measured = max(_run_fresh(world, model, tp, sp, micro, n_micro, seq))
     print(f"\n{case[:3]} predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB "
           f"({(predicted - measured) / measured:+.1%})")

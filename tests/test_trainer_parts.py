@@ -43,12 +43,13 @@ def test_kl_guard_defaults_follow_the_runbook_and_warn_outside_the_range(caplog)
     assert restored.coef == g.coef
 
 
-def _reduce(values):
+def _reduce(values, weights=None):
     import torch.distributed as dist
     from engine.metrics import reduce_over_dp
     from parallel.mesh import Layout, init_mesh
     init_mesh(Layout())
-    return reduce_over_dp(values[dist.get_rank()], 2)
+    rank = dist.get_rank()
+    return reduce_over_dp(values[rank], 2, weights=None if weights is None else weights[rank])
 
 
 def test_metrics_of_dp_shards_reduce_to_the_global_batch():
@@ -56,3 +57,13 @@ def test_metrics_of_dp_shards_reduce_to_the_global_batch():
               {"critic/score/mean": 2.0, "critic/score/max": 2.0, "critic/score/min": -4.0}]
     for out in run_on_ranks(_reduce, 2, shards):
         assert out == {"critic/score/mean": 1.5, "critic/score/max": 3.0, "critic/score/min": -4.0}
+
+
+def test_token_means_of_dp_shards_are_weighted_by_their_tokens():
+    """Shard 0: 2 tokens of mean 1.0, shard 1: 6 tokens of mean 3.0 -> the batch's token mean
+    is (2 + 18) / 8 = 2.5, not the mean of the shard means (2.0)."""
+    shards = [{"critic/advantages/mean": 1.0, "critic/score/mean": 1.0},
+              {"critic/advantages/mean": 3.0, "critic/score/mean": 3.0}]
+    weights = [{"critic/advantages/mean": 2}, {"critic/advantages/mean": 6}]
+    for out in run_on_ranks(_reduce, 2, shards, weights):
+        assert out == {"critic/advantages/mean": 2.5, "critic/score/mean": 2.0}

@@ -9,7 +9,6 @@ TP and from a PP layout. The floor is a plain in-memory copy of the same bytes i
 the bytes it held at once, and each rank's resident-set high-water mark over its start (glibc's
 mmap threshold is fixed at 64 KiB so freed tensors leave the resident set).
 """
-import argparse
 import json
 import os
 import sys
@@ -22,13 +21,17 @@ MIB = 1 << 20
 
 
 def add_arguments(parser):
-    parser.add_argument("--size-mb", type=float, default=200, help="model size in MiB (fp32)")
-    parser.add_argument("--bucket-mb", type=float, default=32, help="reshard bucket in MiB")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=8192)
+    from engine.errors import positive
+    parser.add_argument("--size-mb", type=positive(float, "the model size in MiB, e.g. 200"), default=200,
+                        help="model size in MiB (fp32)")
+    parser.add_argument("--bucket-mb", type=positive(float, "the bucket size in MiB, e.g. 32"), default=32,
+                        help="reshard bucket in MiB")
+    parser.add_argument("--hidden", type=positive(int, "the hidden size, e.g. 1024"), default=1024)
+    parser.add_argument("--vocab", type=positive(int, "the vocabulary size, e.g. 8192"), default=8192)
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 4),
                         help="2: layouts tp=2 and pp=2; 4: also tp=2 x pp=2")
-    parser.add_argument("--repeat", type=int, default=2, help="timed reshards per layout (best kept)")
+    parser.add_argument("--repeat", type=positive(int, "the number of timed runs, e.g. 2"), default=2,
+                        help="timed reshards per layout (best kept)")
 
 
 def model_config(args):
@@ -172,10 +175,18 @@ def run(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from engine.errors import run_main
+    return run_main(_main, argv)
+
+
+def _main(argv=None):
+    from engine.errors import ArgumentParser, check_output_file
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.json:
+        check_output_file(args.json, "--json")
     report = run(args)
     if args.json:
         with open(args.json, "w") as f:
@@ -183,4 +194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -66,9 +66,11 @@ WORKLOADS = {
 
 
 def add_arguments(parser):
+    from engine.errors import positive
     parser.add_argument("--workload", default="tiny", help=f"one of {sorted(WORKLOADS)} or a recipe path")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--nproc", type=positive(int, "the number of ranks, e.g. 2"), default=2)
+    parser.add_argument("--steps", type=positive(int, "the number of measured steps, e.g. 3"), default=3,
+                        help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baseline", action="store_true",
                         help="also time a plain transformers loop doing the same work")
@@ -166,6 +168,20 @@ def _describe(recipe, overrides):
                 f"{hf.num_hidden_layers} layers)")
     except Exception as e:  # a description only: never fail the benchmark for it
         return f"? ({e})"
+
+
+def check(args):
+    """UserError for an unknown workload, or a recipe / overrides that would fail to load,
+    before any trainer is launched."""
+    from engine.config import load_config
+    from engine.errors import UsageError
+    if args.workload not in WORKLOADS and not os.path.isfile(args.workload):
+        raise UsageError(f"--workload {args.workload!r} is neither a workload ({', '.join(sorted(WORKLOADS))}) "
+                         "nor a recipe file; pick one of those or give a recipe path")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup} must be >= 0")
+    recipe, base = WORKLOADS.get(args.workload, (args.workload, []))
+    load_config(recipe, base + list(args.overrides) + [f"trainer.n_gpus_per_node={args.nproc}"])
 
 
 def run(args):

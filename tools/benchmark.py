@@ -41,14 +41,15 @@ KERNEL_PATHS = ("naive", "fused", "single")
 
 
 def add_kernels_args(parser):
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--tokens", type=positive(int, "the number of tokens, e.g. 4096"), default=4096)
+    parser.add_argument("--hidden", type=positive(int, "the hidden size, e.g. 1024"), default=1024)
+    parser.add_argument("--vocab", type=positive(int, "the vocabulary size, e.g. 151936"), default=151936)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--chunk-tokens", type=int, default=None,
+    parser.add_argument("--temperature", type=positive(float, "a sampling temperature, e.g. 1.0"), default=1.0)
+    parser.add_argument("--chunk-tokens", type=positive(int, "tokens per chunk, e.g. 1024"), default=None,
                         help="fused path's tokens per chunk (default: by bytes, see kernels)")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs after one warm-up")
+    parser.add_argument("--repeat", type=positive(int, "the number of timed runs, e.g. 2"), default=2,
+                        help="timed runs after one warm-up")
     parser.add_argument("--worker", choices=KERNEL_PATHS, help=argparse.SUPPRESS)
 
 
@@ -167,6 +168,7 @@ def run_kernels(args):
 
 # ---------------------------------------------------------------------------------------------
 
+from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
 from tools import bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
 
 SUBCOMMANDS = {
@@ -177,7 +179,11 @@ SUBCOMMANDS = {
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    return run_main(_main, argv)
+
+
+def _main(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in SUBCOMMANDS.items():
         p = sub.add_parser(name)
@@ -190,6 +196,10 @@ def main(argv=None):
     if getattr(args, "worker", None):  # a child process of a subcommand: JSON on stdout
         print(json.dumps(SUBCOMMANDS[args.command][1](args)))
         return
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.command == "step":
+        bench_step.check(args)  # the workload and its recipe, before any run
     if args.command == "all":
         results = {name: run(sub.choices[name].parse_args([]))
                    for name, (_, run) in SUBCOMMANDS.items()}
@@ -201,4 +211,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -127,14 +127,31 @@ def report(out_dir):
     return 1 if s["fail"] else 0
 
 
+USAGE = "usage: tools/gpu_report.py env OUT.json | report DIR"
+
+
 def main(argv):
+    if __package__ in (None, ""):  # run as a script: make the repository importable
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from engine.errors import run_main
+    return run_main(_main, argv)
+
+
+def _main(argv):
+    from engine.errors import UsageError, check_output_file
     if len(argv) == 2 and argv[0] == "env":
+        check_output_file(argv[1], "env OUT.json:")
         env_report(argv[1])
         return 0
     if len(argv) == 2 and argv[0] == "report":
+        if not os.path.isfile(os.path.join(argv[1], "steps.txt")):
+            raise UsageError(f"report {argv[1]!r}: no steps.txt there; pass the output directory of "
+                             "tools/gpu_check.sh (gpu-check/)")
         return report(argv[1])
-    print(__doc__)
-    return 2
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    raise UsageError(f"{' '.join(argv) or 'no arguments'}: {USAGE}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ training state that is not offloaded (param/grad/optimizer_offload) stays beside
 fits when both phases fit under the GPU memory less RESERVE_GIB (CUDA context, NCCL buffers,
 allocator fragmentation).
 """
-import argparse
 import json
 import math
 import os
@@ -58,6 +57,7 @@ if ROOT not in sys.path:
 
 from engine.config import ConfigError, apply_override, derive, load_config  # noqa: E402
 from engine.config.phases import PHASES, ROLLOUT_PHASES, RUNS  # noqa: E402
+from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
 from kernels.kl import FULL_KL_KINDS  # noqa: E402
 
 STATE_KEYS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
@@ -78,14 +78,14 @@ def hf_config_of(model_cfg):
     import transformers
 
     if model_cfg.config is not None:
-        cfg = dict(model_cfg.config)
-        return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        from engine.train import load_hf_config
+        return load_hf_config(model_cfg)
     path = os.path.expanduser(model_cfg.path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         stand_in = os.path.join(HF_CONFIGS, os.path.basename(os.path.normpath(path)))
         if not os.path.isfile(os.path.join(stand_in, "config.json")):
-            raise ValueError(f"model.path={model_cfg.path!r} has no config.json here and there is no "
-                             f"stand-in {stand_in}/config.json; download the model's config.json")
+            raise ConfigError(f"model.path={model_cfg.path!r} has no config.json here and there is no "
+                              f"stand-in {stand_in}/config.json; download the model's config.json")
         path = stand_in
     hf = transformers.AutoConfig.from_pretrained(path)
     for key, value in (model_cfg.override_config or {}).items():
@@ -561,20 +561,28 @@ def _report(e):
 
 
 def main(argv=None):
+    return run_main(_main, argv)
+
+
+def _main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--meta-rank"]:
         return _meta_rank_main(argv[1])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--gpus", type=int, help="world size (default trainer.nnodes x n_gpus_per_node)")
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU (default 80)")
+    p.add_argument("--gpus", type=positive(int, "the number of GPUs, e.g. 8"),
+                   help="world size (default trainer.nnodes x n_gpus_per_node)")
+    p.add_argument("--gpu-mem", type=positive(float, "the GiB of memory per GPU, e.g. 80"), default=80.0,
+                   help="GiB per GPU (default 80)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--search", action="store_true", help="propose TP/PP/EP layouts that fit")
     p.add_argument("--exact", action="store_true",
                    help="also build rank 0 and the last stage on the meta device and show their counts")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (memory in GiB)")
     a = p.parse_args(argv)
+    if a.json:
+        check_output_file(a.json, "--json")
     cfg = load_config(a.recipe, a.overrides)
     world = a.gpus or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if a.gpus:  # keep the recipe's node size: rollout engines are placed on nodes
@@ -603,4 +611,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

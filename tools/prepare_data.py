@@ -18,15 +18,20 @@ kept). Empty and identical pairs are dropped and counted; over-long ones are the
 business (data.truncation), as it knows the tokenizer and the length limits.
 """
 import argparse
+import difflib
 import json
 import os
+import shutil
 import sys
+import tempfile
+import typing
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine import tasks  # noqa: E402
-from engine.data import write_prompt_parquet  # noqa: E402
+from engine.config.schema import BuiltinTask  # noqa: E402
+from engine.errors import (ArgumentParser, DataError, UsageError, positive, require_file,  # noqa: E402
+                           run_main)
 
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 GSM8K_SOURCE = "openai/gsm8k"
@@ -41,32 +46,96 @@ def gsm8k_final_answer(answer_text):
 
 def gsm8k_rows(jsonl_path, split="train"):
     rows = []
-    with open(jsonl_path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                question, answer = record["question"], record["answer"]
-                truth = gsm8k_final_answer(answer)
-            except (json.JSONDecodeError, KeyError, ValueError) as e:
-                raise ValueError(f"{jsonl_path}:{line_no}: not a GSM8K record with 'question' and "
-                                 f"'answer ... #### N' ({e})") from None
-            rows.append({
-                "data_source": GSM8K_SOURCE,
-                "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": truth},
-                "extra_info": {"split": split, "index": len(rows), "question": question, "answer": answer},
-            })
+    try:
+        with open(jsonl_path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        line_no = open(jsonl_path, "rb").read()[:e.start].count(b"\n") + 1
+        raise DataError(f"{jsonl_path}:{line_no}: not UTF-8 text (byte 0x{e.object[e.start]:02x}); save the "
+                        "JSONL as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            question, answer = record["question"], record["answer"]
+            truth = gsm8k_final_answer(answer)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{jsonl_path}:{line_no}: not a GSM8K record with 'question' and "
+                            f"'answer ... #### N' ({type(e).__name__}: {e}); fix or remove that line") from None
+        rows.append({
+            "data_source": GSM8K_SOURCE,
+            "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"split": split, "index": len(rows), "question": question, "answer": answer},
+        })
+    if not rows:
+        raise DataError(f"{jsonl_path} holds no records (empty or blank lines only); pass a GSM8K-style JSONL")
     return rows
 
 
+def write_prompt_parquet(rows, path):
+    from engine.data import write_prompt_parquet as write  # torch: imported only to write
+    write(rows, path)
+
+
 def write_builtin(name, out_dir, n_train, n_val, seed, difficulty):
+    from engine import tasks
     train, val, _ = tasks.make_builtin_task(name, seed=seed, n_train=n_train, n_val=n_val, difficulty=difficulty)
     write_prompt_parquet(train, os.path.join(out_dir, "train.parquet"))
     write_prompt_parquet(val, os.path.join(out_dir, "val.parquet"))
     tasks.save_tokenizer(os.path.join(out_dir, "tokenizer"))
+
+
+def _reasoning_gym_kwargs(task, text):
+    """The generator settings of --task-kwargs, checked by building a one-row dataset."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--task-kwargs {text!r} is not JSON ({e.msg} at column {e.colno}); write e.g. "
+                         "'{\"min_terms\": 2}'") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--task-kwargs {text!r} must be a JSON object of generator settings")
+    try:
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise UsageError("--reasoning-gym needs the reasoning-gym package: pip install reasoning-gym") from None
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        raise UsageError(f"--reasoning-gym {task!r} is not a reasoning-gym task"
+                         + (f"; did you mean {', '.join(close)}?" if close else ""))
+    try:
+        reasoning_gym.create_dataset(task, size=1, seed=0, **kwargs)
+    except (TypeError, ValueError, AssertionError) as e:  # unknown or impossible settings
+        raise UsageError(f"--task-kwargs {text!r} for {task!r}: {e}") from None
+    return kwargs
+
+
+def _check_out_dir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"--out-dir {out_dir!r} is a file; give a directory")
+
+
+def _write_all(out_dir, write):
+    """Run `write(tmp_dir)` into a temporary sibling of `out_dir`, then move what it wrote into
+    `out_dir` (replacing files of the same names): a failure leaves nothing behind."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+    try:
+        write(tmp)
+        if not os.path.exists(out_dir):
+            os.rename(tmp, out_dir)
+            return
+        for name in os.listdir(tmp):
+            target = os.path.join(out_dir, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(tmp, name), target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_pairs(args, parser):
@@ -74,30 +143,45 @@ def write_pairs(args, parser):
     if args.builtin:
         if args.builtin != "arith" or not args.out_dir:
             parser.error("--pairs --builtin supports arith, with --out-dir")
-        for split, n in (("train", args.n_train), ("val", args.n_val)):
-            write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split, graded=args.graded),
-                                     os.path.join(args.out_dir, f"{split}.parquet"))
-        tasks.save_tokenizer(os.path.join(args.out_dir, "tokenizer"))
+        _check_out_dir(args.out_dir)
+
+        def write(folder):
+            from engine import tasks
+            for split, n in (("train", args.n_train), ("val", args.n_val)):
+                write_preference_parquet(arith_pairs(n, args.seed, args.difficulty, split, graded=args.graded),
+                                         os.path.join(folder, f"{split}.parquet"))
+            tasks.save_tokenizer(os.path.join(folder, "tokenizer"))
+        _write_all(args.out_dir, write)
         print(f"wrote {args.n_train} train / {args.n_val} val arith pairs to {args.out_dir}")
     elif args.input and args.output:
-        rows, dropped = jsonl_pairs(args.input)
-        write_preference_parquet(rows, args.output)
+        require_file(args.input, "--input", "pass a JSONL file of {prompt, chosen, rejected} records")
+        try:
+            rows, dropped = jsonl_pairs(args.input)
+            write_preference_parquet(rows, args.output)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{args.input}: not UTF-8 text (byte {e.start}); save the JSONL as UTF-8") from None
+        except ValueError as e:  # engine/offline/data.py: a malformed line or column, named
+            raise DataError(str(e)) from None
         print(f"wrote {len(rows)} pairs to {args.output}; dropped {json.dumps(dropped)}")
     else:
         parser.error("--pairs needs --builtin arith --out-dir DIR, or --input X.jsonl --output Y.parquet")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run_main(_main, argv)
+
+
+def _main(argv=None):
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="GSM8K-style JSONL file")
     parser.add_argument("--output", help="parquet file to write (with --input)")
     parser.add_argument("--split", default="train", help="split name recorded in extra_info")
-    parser.add_argument("--builtin", choices=tasks.BUILTIN_TASKS, help="write a built-in task instead")
+    parser.add_argument("--builtin", choices=typing.get_args(BuiltinTask), help="write a built-in task instead")
     parser.add_argument("--out-dir", help="directory for the built-in task's train/val parquet")
-    parser.add_argument("--n-train", type=int, default=2048)
-    parser.add_argument("--n-val", type=int, default=128)
+    parser.add_argument("--n-train", type=positive(int, "the number of training rows, e.g. 2048"), default=2048)
+    parser.add_argument("--n-val", type=positive(int, "the number of validation rows, e.g. 128"), default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--difficulty", type=int, default=0)
+    parser.add_argument("--difficulty", type=int, choices=(0, 1, 2), default=0)
     parser.add_argument("--reasoning-gym", metavar="TASK",
                         help="write a reasoning-gym task (e.g. basic_arithmetic) to --out-dir")
     parser.add_argument("--task-kwargs", default="{}",
@@ -109,28 +193,33 @@ def main(argv=None):
                              "nothing), for a reward model that PPO trains on alone")
     args = parser.parse_args(argv)
     if args.pairs:
-        try:
-            return write_pairs(args, parser)
-        except ValueError as e:  # bad input: one line, not a traceback
-            parser.exit(2, f"error: {e}\n")
+        return write_pairs(args, parser)
     if args.reasoning_gym:
         if not args.out_dir:
             parser.error("--reasoning-gym needs --out-dir")
+        _check_out_dir(args.out_dir)
         from engine.rewards.reasoning_gym import make_rows
-        kwargs = json.loads(args.task_kwargs)
-        os.makedirs(args.out_dir, exist_ok=True)
-        for split, n, seed in (("train", args.n_train, args.seed), ("val", args.n_val, args.seed + 1)):
-            write_prompt_parquet(make_rows(args.reasoning_gym, n, seed, split, **kwargs),
-                                 os.path.join(args.out_dir, f"{split}.parquet"))
+        kwargs = _reasoning_gym_kwargs(args.reasoning_gym, args.task_kwargs)
+
+        def write(folder):
+            for split, n, seed in (("train", args.n_train, args.seed), ("val", args.n_val, args.seed + 1)):
+                write_prompt_parquet(make_rows(args.reasoning_gym, n, seed, split, **kwargs),
+                                     os.path.join(folder, f"{split}.parquet"))
+        _write_all(args.out_dir, write)
         print(f"wrote {args.n_train} train / {args.n_val} val rows of reasoning-gym "
               f"{args.reasoning_gym!r} to {args.out_dir}")
         return
     if args.builtin:
         if not args.out_dir:
             parser.error("--builtin needs --out-dir")
-        write_builtin(args.builtin, args.out_dir, args.n_train, args.n_val, args.seed, args.difficulty)
+        _check_out_dir(args.out_dir)
+        _write_all(args.out_dir, lambda folder: write_builtin(args.builtin, folder, args.n_train, args.n_val,
+                                                             args.seed, args.difficulty))
         print(f"wrote {args.n_train} train / {args.n_val} val rows of {args.builtin!r} to {args.out_dir}")
     elif args.input and args.output:
+        require_file(args.input, "--input", "pass a GSM8K-style JSONL file")
+        if os.path.isdir(args.output):
+            raise UsageError(f"--output {args.output!r} is a directory; give a .parquet file name")
         rows = gsm8k_rows(args.input, args.split)
         write_prompt_parquet(rows, args.output)
         print(f"wrote {len(rows)} rows to {args.output}")
@@ -139,4 +228,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,12 @@ Outcome estimators (GRPO, RLOO, REINFORCE++-baseline) take `group_index`: one ha
 row, rows sharing an id are responses to the same prompt. A group of one response has no
 baseline, so its advantage is its raw score, never NaN.
 
+Whitening (GAE, REINFORCE++, REINFORCE++-baseline) is over the GLOBAL batch: under data
+parallelism each rank holds a shard, and `batch_sum` (a callable summing a tensor of local
+statistics over every shard, i.e. the trainer's all-reduce over the DP group; None when this
+batch is the whole batch) turns the shard's sums into the batch's, so the advantages do not
+depend on the DP size. It is called the same number of times on every rank (collective).
+
 `compute_advantage(name, **fields)` dispatches by the config name
 (`algorithm.adv_estimator`) to `ADVANTAGE_ESTIMATORS[name]`, passing only the fields that
 estimator takes. Each estimator registers itself (`register_advantage`) with what the config
@@ -61,32 +67,50 @@ def masked_mean(values, mask, dim=None):
     return total / count.clamp_min(1)
 
 
-def masked_var(values, mask, unbiased=True):
-    """Variance of `values` over all elements where `mask` is 1.
+def _batch_mean_var(values, mask, unbiased=True, batch_sum=None):
+    """(mean, variance) in float64 over the elements where `mask` is 1 of the whole batch: this
+    shard's sums, summed over the shards by `batch_sum` when given (see the module doc).
 
-    `unbiased` applies Bessel's correction n / (n - 1) when n > 1; with n <= 1 the variance is
-    0 (a single value has no spread), not NaN.
+    Two passes, the mean first, then the mean squared deviation from it: the one-process
+    formula (no E[x^2] - E[x]^2 cancellation). Bessel's correction n / (n - 1) when
+    `unbiased` and n > 1; with n <= 1 the variance is 0, not NaN.
     """
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.to(values.dtype).sum()
-        if count > 1:
-            var = var * count / (count - 1)
-    return var
+    keep = mask > 0
+    zero = torch.zeros((), dtype=torch.float64, device=values.device)
+    sums = torch.stack([torch.where(keep, values.double(), zero).sum(), keep.sum().double()])
+    if batch_sum is not None:
+        sums = batch_sum(sums)
+    total, count = sums
+    mean = total / count.clamp_min(1)
+    square_dev = torch.where(keep, (values.double() - mean) ** 2, zero).sum().reshape(1)
+    if batch_sum is not None:
+        square_dev = batch_sum(square_dev)
+    var = square_dev[0] / count.clamp_min(1)
+    if unbiased and count > 1:
+        var = var * count / (count - 1)
+    return mean, var
 
 
-def masked_whiten(values, mask, shift_mean=True, eps=1e-8):
-    """(values - mean) / sqrt(var + eps) with mean and variance over masked elements only.
+def masked_var(values, mask, unbiased=True, batch_sum=None):
+    """Variance of `values` over all elements where `mask` is 1 (of every shard of the batch
+    when `batch_sum` is given). `unbiased` applies Bessel's correction n / (n - 1) when n > 1;
+    with n <= 1 the variance is 0 (a single value has no spread), not NaN.
+    """
+    return _batch_mean_var(values, mask, unbiased, batch_sum)[1].to(values.dtype)
+
+
+def masked_whiten(values, mask, shift_mean=True, eps=1e-8, batch_sum=None):
+    """(values - mean) / sqrt(var + eps) with mean and unbiased variance over masked elements
+    only (of every shard of the batch when `batch_sum` is given).
 
     With `shift_mean=False` the mean is added back (scale only). Masked-out positions are
     returned as 0 so padding never carries a value.
     """
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
+    mean, var = _batch_mean_var(values, mask, True, batch_sum)
+    whitened = (values.double() - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened * mask.to(values.dtype)
+    return torch.where(mask > 0, whitened, torch.zeros_like(whitened)).to(values.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,14 +158,15 @@ def _sequence_scores(token_level_rewards, response_mask):
 
 @register_advantage("gae", critic=True)
 @torch.no_grad()
-def compute_gae(token_level_rewards, values, response_mask, gamma, lam):
+def compute_gae(token_level_rewards, values, response_mask, gamma, lam, batch_sum=None):
     """Generalised advantage estimation (Schulman et al. 2016).
 
     Going backwards over valid tokens t (masked tokens are skipped: they neither add a TD error
     nor interrupt the recursion, and the value after the last valid token is 0):
         delta_t = r_t + gamma * V_next - V_t
         A_t     = delta_t + gamma * lam * A_next
-    returns = A + V (before whitening); advantages are whitened over valid tokens.
+    returns = A + V (before whitening); advantages are whitened over the valid tokens of the
+    whole batch (`batch_sum`: see the module doc).
     """
     _check_token_shapes(response_mask, token_level_rewards=token_level_rewards, values=values)
     mask = response_mask.to(values.dtype)
@@ -156,7 +181,7 @@ def compute_gae(token_level_rewards, values, response_mask, gamma, lam):
         next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
         next_advantage = torch.where(mask[:, t] > 0, advantage_t, next_advantage)
     returns = (advantages + values) * mask
-    return masked_whiten(advantages, mask), returns
+    return masked_whiten(advantages, mask, batch_sum=batch_sum), returns
 
 
 @register_advantage("grpo", group=True)
@@ -214,20 +239,21 @@ def _discounted_returns(token_level_rewards, response_mask, gamma):
 
 @register_advantage("reinforce_plus_plus")
 @torch.no_grad()
-def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma):
+def compute_reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma,
+                                          batch_sum=None):
     """REINFORCE++ (Hu 2025): discounted token returns, whitened over the whole batch.
 
         G_t = r_t + gamma * G_(t+1)   over valid tokens;   A = whiten(G)
     """
     _check_token_shapes(response_mask, token_level_rewards=token_level_rewards)
     returns = _discounted_returns(token_level_rewards, response_mask, gamma)
-    return masked_whiten(returns, response_mask), returns
+    return masked_whiten(returns, response_mask, batch_sum=batch_sum), returns
 
 
 @register_advantage("reinforce_plus_plus_baseline", group=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask,
-                                                   group_index):
+                                                   group_index, batch_sum=None):
     """REINFORCE++ with a group-mean baseline: A_i = score_i - mean_group, broadcast to valid
     tokens, then whitened over all valid tokens of the batch. A group of one keeps its score.
     """
@@ -236,7 +262,8 @@ def compute_reinforce_plus_plus_baseline_advantage(token_level_rewards, response
     ids = _group_ids(group_index, scores.shape[0], scores.device)
     mean, _, count = _group_stats(scores, ids)
     advantage = torch.where(count < 2, scores, scores - mean)
-    advantages = masked_whiten(advantage[:, None] * response_mask, response_mask)
+    advantages = masked_whiten(advantage[:, None] * response_mask, response_mask,
+                               batch_sum=batch_sum)
     return advantages, advantages
 
 

@@ -282,10 +282,14 @@ def policy_loss_gspo(log_prob, old_log_prob, advantages, response_mask, clip_rat
 def value_loss(values, old_values, returns, response_mask, cliprange_value,
                loss_agg_mode="token-mean", normaliser=None):
     """Clipped value loss: 0.5 * max((V - R)^2, (V_clip - R)^2),
-    V_clip = old_V + clip(V - old_V, -cliprange_value, cliprange_value).
+    V_clip = clip(V, old_V - cliprange_value, old_V + cliprange_value).
 
     cliprange_value=None disables clipping. Returns (vf_loss, vf_clipfrac) where vf_clipfrac
     is the token mean of "the clipped term was larger".
+
+    V itself is clamped (not old_V + clamp(V - old_V)): inside the range V_clip is then V
+    bit for bit, so a token is counted as clipped only where the bound binds; in floating
+    point old_V + (V - old_V) is not always V and would count unclipped tokens.
     """
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
@@ -294,8 +298,8 @@ def value_loss(values, old_values, returns, response_mask, cliprange_value,
         if cliprange_value < 0:
             raise ValueError(f"cliprange_value={cliprange_value} must be >= 0 "
                              f"(critic.cliprange_value)")
-        clipped_values = old_values + torch.clamp(values - old_values, -cliprange_value,
-                                                  cliprange_value)
+        clipped_values = torch.clamp(values, old_values - cliprange_value,
+                                     old_values + cliprange_value)
         clipped = (clipped_values - returns) ** 2
         losses, clip_active = torch.maximum(unclipped, clipped), clipped > unclipped
     vf_loss = 0.5 * agg_loss(losses, response_mask, loss_agg_mode,

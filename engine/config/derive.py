@@ -91,12 +91,14 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
     dataset_len: training prompts; needed for total steps unless trainer.total_training_steps is set.
     cuda_available: resolves trainer.device='auto' (default: ask torch).
     """
-    expected = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    pool = cfg.trainer.rollout_pool_ranks if cfg.trainer.rollout_pool == "separate" else 0
+    expected = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node - pool  # the training ranks
     world_size = expected if world_size is None else world_size
     if world_size != expected:
         _fail("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node,
-              f"trainer.nnodes x n_gpus_per_node = {expected} but {world_size} ranks were launched; "
-              f"launch {expected} ranks or set nnodes/n_gpus_per_node to match")
+              f"trainer.nnodes x n_gpus_per_node = {expected + pool}{f' less {pool} pool ranks' if pool else ''} "
+              f"but {world_size} ranks were launched{' to train' if pool else ''}; "
+              f"launch {expected + pool} ranks or set nnodes/n_gpus_per_node to match")
     validate(cfg)
     validate_layout(cfg, world_size)
     out = copy.deepcopy(cfg)

@@ -44,7 +44,24 @@ def _parse_yaml(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: not valid YAML{at}: {problem}; fix the syntax there") from None
+
+
+def _read_recipe(path) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"recipe {str(path)!r} does not exist; pass the path of a recipe YAML "
+                          "file (e.g. recipes/tiny_cpu_demo.yaml)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"recipe {str(path)!r} is a directory; pass a recipe YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text (byte {e.start}); pass a recipe "
+                          "YAML file") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,12 +72,12 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
     """Defaults <- YAML file (if any) <- `a.b.c=value` overrides, then `validate`."""
     cfg = TridentConfig()
     if path is not None:
-        with open(path) as f:
-            data = _parse_yaml(f.read(), str(path))
+        data = _parse_yaml(_read_recipe(path), str(path))
         if data is not None:
             _merge(cfg, data, "")
     for override in overrides:
         apply_override(cfg, override)
+    _expand_user(cfg)
     validate(cfg)
     return cfg
 
@@ -69,8 +86,25 @@ def from_dict(data: dict) -> TridentConfig:
     """Build and validate a config from a nested mapping (missing keys take defaults)."""
     cfg = TridentConfig()
     _merge(cfg, data, "")
+    _expand_user(cfg)
     validate(cfg)
     return cfg
+
+
+_PATH_KEYS = ("path", "tokenizer_path", "train_files", "val_files", "default_local_dir",
+              "resume_from_path", "log_dir")
+
+
+def _expand_user(obj: Any) -> None:
+    """`~/models/X` in a path key means the home directory, as in a shell (recipes use it)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _expand_user(value)
+        elif f.name in _PATH_KEYS and isinstance(value, str):
+            setattr(obj, f.name, os.path.expanduser(value))
+        elif f.name in _PATH_KEYS and isinstance(value, list):
+            setattr(obj, f.name, [os.path.expanduser(v) if isinstance(v, str) else v for v in value])
 
 
 def to_dict(cfg: TridentConfig) -> dict:

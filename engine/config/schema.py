@@ -6,6 +6,7 @@ from typing import Literal, Optional
 
 from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from engine.errors import UserError
 from engine.metrics import LOGGERS
 from engine.offline.losses import DPO_LOSSES
 from engine.rollout.registry import backend_names
@@ -16,7 +17,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A recipe problem: names the dotted key, the offending value and how to fix it."""
 
 
@@ -42,6 +43,7 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
+BuiltinTask = Literal["arith", "copy", "code"]  # engine/tasks.py
 Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
@@ -93,7 +95,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # same as truncation='filter' (derive() makes both agree)
     return_raw_chat: bool = False
     chat_template: bool = True  # format prompts with the tokenizer's chat template
-    builtin_task: Optional[str] = None  # built-in synthetic task (engine/tasks.py) instead of files
+    builtin_task: Optional[BuiltinTask] = None  # built-in synthetic task (engine/tasks.py) instead of files
     builtin_task_difficulty: int = 0  # engine/tasks.py difficulty levels (0 = easiest)
     dataloader_num_workers: int = 0
     # Preference pairs (trainer.task reward_model / dpo), verl's RM dataset names
@@ -116,6 +118,12 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     override_config: dict = field(default_factory=dict)  # merged into the pretrained model's config
+    # LoRA (verl's keys; actor only): adapters of rank lora_rank (0 = off) on the linear layers
+    # named by target_modules (HF names q_proj ... down_proj, Megatron names linear_qkv ...,
+    # or "all-linear"), scaled by lora_alpha / lora_rank; the base stays frozen.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass
@@ -406,6 +414,11 @@ class TrainerConfig:
     max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
     rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
     collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
+    # colocated: every rank trains and generates (hybrid engine); separate: the last
+    # rollout_pool_ranks ranks only generate (engine/rollout/pool.py)
+    rollout_pool: Literal["colocated", "separate"] = "colocated"
+    rollout_pool_ranks: int = 0
+    off_policy_steps: int = 0  # 1: step t+1 generates while step t trains (separate pool)
     # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
     # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
     task: Task = "ppo"

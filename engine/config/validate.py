@@ -55,6 +55,7 @@ def validate(cfg: TridentConfig) -> None:
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
+    _validate_lora(cfg)
     _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
@@ -68,6 +69,7 @@ def _validate_data(data: DataConfig) -> None:
         _check(data, p, name, ge=1)
     _check(data, p, "val_batch_size", ge=1, optional=True)
     _check(data, p, "dataloader_num_workers", ge=0)
+    _check(data, p, "builtin_task_difficulty", ge=0, le=2)
     if not data.prompt_key:
         _fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
     if not data.train_files and data.builtin_task is None and data.offline_path is None:
@@ -214,6 +216,32 @@ def _validate_critic(cfg: TridentConfig) -> None:
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
 
 
+def _validate_lora(cfg: TridentConfig) -> None:
+    """LoRA is the actor's (its reference is the base with adapters off: no second model)."""
+    from engine.models.lora import resolve_targets
+    arr, p = cfg.actor_rollout_ref, "actor_rollout_ref.model"
+    _check(arr.model, p, "lora_rank", ge=0)
+    try:
+        resolve_targets(arr.model.target_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if arr.model.lora_rank > 0:
+        _check(arr.model, p, "lora_alpha", gt=0.0)
+        if cfg.trainer.rollout_pool == "separate":
+            _fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
+                  "rollout receives merged weights, which only the colocated hand-off sends so far; "
+                  "set trainer.rollout_pool=colocated (or lora_rank=0)")
+        if arr.ref.megatron.param_offload:
+            _fail("actor_rollout_ref.ref.megatron.param_offload", True,
+                  f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "
+                  "adapters off (no reference model to offload); set it to false")
+    for section in ("critic.model", "reward_model.model"):
+        model = cfg.critic.model if section == "critic.model" else cfg.reward_model.model
+        if model.lora_rank != 0:
+            _fail(f"{section}.lora_rank", model.lora_rank, "LoRA is implemented for the actor only "
+                  f"({p}.lora_rank); set it to 0")
+
+
 def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
     p = "reward_model"
     _check(rm, p, "num_workers", ge=0)
@@ -281,6 +309,18 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     _check(t, p, "max_nonfinite_skips", ge=1)
     _check(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
     _check(t, p, "collective_timeout_s", ge=1)
+    launched = t.nnodes * t.n_gpus_per_node
+    if t.rollout_pool == "separate" and not 1 <= t.rollout_pool_ranks < launched:
+        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, f"a separate pool needs between 1 and "
+              f"{launched - 1} of the {launched} ranks (the rest train); e.g. {launched // 2}")
+    if t.rollout_pool == "colocated" and t.rollout_pool_ranks:
+        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, "only read with trainer.rollout_pool=separate; "
+              "set it to 0 or set rollout_pool=separate")
+    if t.off_policy_steps not in (0, 1):
+        _fail("trainer.off_policy_steps", t.off_policy_steps, "use 0 (on-policy) or 1 (one-step off-policy)")
+    if t.off_policy_steps and t.rollout_pool != "separate":
+        _fail("trainer.off_policy_steps", t.off_policy_steps, "overlapping generation with training needs "
+              "other ranks to generate: set trainer.rollout_pool=separate and rollout_pool_ranks")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         _fail("trainer.resume_from_path", t.resume_from_path,
               "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
@@ -371,7 +411,8 @@ def _resolve_megatron(m: MegatronConfig, actor: MegatronConfig) -> MegatronConfi
 
 
 def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[int] = None,
-                    num_experts: Optional[int] = None, num_attention_heads: Optional[int] = None) -> None:
+                    num_experts: Optional[int] = None, num_attention_heads: Optional[int] = None,
+                    num_query_groups: Optional[int] = None) -> None:
     """Check the Megatron layout against `world_size` (and the model shape once it is known).
 
     num_experts: None = unknown, 0 = dense model. Raises ConfigError for the first violation.
@@ -413,6 +454,14 @@ def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[in
             _fail(f"{p}.virtual_pipeline_model_parallel_size", vpp,
                   f"the model's {num_layers} layers do not split into pipeline_model_parallel_size {pp} x "
                   f"{vpp} chunks; choose PP x VPP dividing {num_layers}")
+    # Megatron's rule: TP divides the attention heads; key/value groups a multiple or divisor of TP
+    if num_attention_heads is not None and num_attention_heads % tp:
+        _fail(f"{p}.tensor_model_parallel_size", tp, f"must divide the model's {num_attention_heads} "
+              f"attention heads (each tensor-parallel rank holds whole heads); use "
+              f"{_options(math.gcd(num_attention_heads, world_size))}")
+    if num_query_groups is not None and num_query_groups % tp and tp % num_query_groups:
+        _fail(f"{p}.tensor_model_parallel_size", tp, f"must be a multiple or a divisor of the model's "
+              f"{num_query_groups} key/value heads; use {_options(math.gcd(num_query_groups, world_size))}")
     if num_layers is not None and num_layers % pp:
         _fail(f"{p}.pipeline_model_parallel_size", pp,
               f"the model's {num_layers} layers do not split evenly over {pp} stages; use a divisor of "
@@ -442,8 +491,11 @@ def validate_layout(cfg: TridentConfig, world_size: int, num_layers: Optional[in
 
 
 def rollout_topology_of(cfg: TridentConfig, world_size: int, num_attention_heads: Optional[int] = None):
-    """The rollout groups of `cfg` at `world_size` ranks (engine/rollout/topology.py)."""
+    """The rollout groups of `cfg` at `world_size` training ranks (engine/rollout/topology.py):
+    over those ranks when colocated, over the pool's ranks when separate."""
     from engine.rollout.topology import TopologyError, rollout_topology
+    if cfg.trainer.rollout_pool == "separate":
+        world_size = cfg.trainer.rollout_pool_ranks
     try:
         return rollout_topology(world_size, cfg.trainer.n_gpus_per_node,
                                 cfg.actor_rollout_ref.rollout.tensor_model_parallel_size,

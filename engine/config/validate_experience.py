@@ -14,6 +14,13 @@ def validate_experience(cfg: TridentConfig) -> None:
     _check(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
     _replay(cfg)
     _filter_groups(cfg)
+    if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience.py Pool) replaces these
+        for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
+                          ("algorithm.replay.enable", cfg.algorithm.replay.enable),
+                          ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
+            if set_:
+                _fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
+                      "own source of experience); use rollout_pool=colocated or remove it")
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),

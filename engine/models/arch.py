@@ -10,6 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ModelError
+
 
 @dataclass
 class ArchSpec:
@@ -65,27 +67,27 @@ def _dense_rope(cfg):
     if not kind:
         return {}
     if kind == "dynamic":
-        raise ValueError(
+        raise ModelError(
             "rope_scaling.rope_type='dynamic' (dynamic NTK) is not supported: it recomputes the "
             "RoPE frequencies per batch from the longest sequence, which Megatron's rotary "
             "embedding (frequencies fixed at build time) cannot do; remove rope_scaling from "
             "config.json (identical for sequences up to max_position_embeddings="
             f"{cfg.max_position_embeddings})")
     if kind not in _ROPE_KEYS:
-        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported for "
+        raise ModelError(f"rope_scaling.rope_type={kind!r} is not supported for "
                          f"{architecture_of(cfg)}; supported: default, linear, llama3 (and yarn "
                          "for DeepSeek-V3); remove rope_scaling from config.json to train at the "
                          "original context length")
     out = {"rope_type": kind}
     for key in _ROPE_KEYS[kind]:
         if scaling.get(key) is None:
-            raise ValueError(f"rope_scaling.{key} is missing from config.json for rope_type="
+            raise ModelError(f"rope_scaling.{key} is missing from config.json for rope_type="
                              f"{kind!r}; add it (needed: {', '.join(_ROPE_KEYS[kind])})")
         out[key] = float(scaling[key])
     if out["factor"] <= 0:
-        raise ValueError(f"rope_scaling.factor={out['factor']} must be > 0")
+        raise ModelError(f"rope_scaling.factor={out['factor']} must be > 0")
     if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise ValueError(f"rope_scaling.high_freq_factor={out['high_freq_factor']} must be "
+        raise ModelError(f"rope_scaling.high_freq_factor={out['high_freq_factor']} must be "
                          f"greater than low_freq_factor={out['low_freq_factor']}")
     return out
 
@@ -116,7 +118,7 @@ def rope_inv_freq(theta: float, dim: int, scaling: dict) -> torch.Tensor:
 def _check_activation(cfg):
     act = _get(cfg, "hidden_act", default="silu")
     if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported; these families use 'silu' (SwiGLU)")
+        raise ModelError(f"hidden_act={act!r} is not supported; these families use 'silu' (SwiGLU)")
 
 
 def _trunk(cfg):
@@ -129,12 +131,31 @@ def _trunk(cfg):
                 gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
 
 
+def _check_shape(cfg):
+    """The sizes every family needs, positive and consistent (one clear error, not a shape
+    mismatch deep inside Megatron or the rollout)."""
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size"):
+        value = getattr(cfg, key, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"{key}={value!r} must be a positive integer")
+    heads = cfg.num_attention_heads
+    kv = _get(cfg, "num_key_value_heads", default=heads)
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise ModelError(f"num_key_value_heads={kv!r} must divide num_attention_heads={heads} "
+                         "(each key/value head serves a whole group of query heads); use a divisor "
+                         f"of {heads}")
+    if _get(cfg, "head_dim") is None and cfg.hidden_size % heads:
+        raise ModelError(f"hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads="
+                         f"{heads}; set head_dim, or a hidden_size divisible by {heads}")
+
+
 def _dense(cfg, family, *, qkv_bias=False, qk_norm=False):
     _check_activation(cfg)
     heads = cfg.num_attention_heads
     head_dim = _get(cfg, "head_dim", default=cfg.hidden_size // heads)
     if _get(cfg, "mlp_bias", default=False):
-        raise ValueError("mlp_bias=True is not supported (no family in Trident uses it)")
+        raise ModelError("mlp_bias=True is not supported (no family in Trident uses it)")
     return ArchSpec(
         family=family,
         transformer=dict(
@@ -215,7 +236,7 @@ def _mla_rope(cfg):
         # no YaRN: softmax scale 1/sqrt(q_head_dim), as HF's
         return dict(rope_type="rope", rotary_scaling_factor=1.0)
     if scaling["rope_type"] != "yarn":
-        raise ValueError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported for "
+        raise ModelError(f"rope_scaling.rope_type={scaling['rope_type']!r} is not supported for "
                          "DeepSeek-V3 (MLA): use 'yarn' as the released config does, or remove "
                          "rope_scaling from config.json")
     return dict(rope_type="yarn", rotary_scaling_factor=float(scaling["factor"]),
@@ -233,17 +254,17 @@ def _deepseek_v3(cfg):
     the MTP loss, neither of which PPO uses; their checkpoint tensors are skipped on load."""
     _check_activation(cfg)
     if _get(cfg, "attention_bias", default=False):
-        raise ValueError("attention_bias=True is not supported for DeepSeek-V3 (MLA has no bias)")
+        raise ModelError("attention_bias=True is not supported for DeepSeek-V3 (MLA has no bias)")
     if not _get(cfg, "rope_interleave", default=True):
-        raise ValueError("rope_interleave=False is not supported: Megatron's MLA applies RoPE to "
+        raise ModelError("rope_interleave=False is not supported: Megatron's MLA applies RoPE to "
                          "interleaved rotary dimensions, as DeepSeek-V3 checkpoints store them")
     topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
     if group_topk and topk // group_topk != 2:
         # HF scores a group by its top-2 experts; Megatron by its top-(topk / group_topk).
-        raise ValueError(f"num_experts_per_tok={topk} with topk_group={group_topk} scores a "
+        raise ModelError(f"num_experts_per_tok={topk} with topk_group={group_topk} scores a "
                          "group by its top-2 experts only when num_experts_per_tok == 2 * topk_group")
     if not _get(cfg, "norm_topk_prob", default=True) and topk > 1:
-        raise ValueError("norm_topk_prob=False is not supported with sigmoid routing (Megatron "
+        raise ModelError("norm_topk_prob=False is not supported with sigmoid routing (Megatron "
                          "always renormalises the top-k sigmoid scores)")
     heads = cfg.num_attention_heads
     spec = ArchSpec(
@@ -318,6 +339,7 @@ def arch_spec(hf_config) -> ArchSpec:
     """Translate a transformers config object into Megatron's terms, or say what is supported."""
     arch = architecture_of(hf_config)
     if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported; Trident supports "
+        raise ModelError(f"architecture {arch!r} is not supported; Trident supports "
                          f"{', '.join(sorted(ARCHITECTURES))}")
+    _check_shape(hf_config)
     return ARCHITECTURES[arch](hf_config)

@@ -255,12 +255,36 @@ def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_p
     return TransformerConfig(**kwargs)
 
 
-def decoder_block_spec(config, *, use_te: bool, vp_stage=None):
+def decoder_block_spec(config, *, use_te: bool, vp_stage=None, unfuse_norms=False):
     """The decoder block spec: TE's layers, or Megatron's local ones with Trident's norm and
-    core attention swapped in (see local_modules)."""
+    core attention swapped in (see local_modules). `unfuse_norms`: TE's norm-fused linears
+    split into a norm and a linear (LoRA adapters must see the normalised input)."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                        normalization=config.normalization, vp_stage=vp_stage)
-    return block if use_te else _swap_local_modules(block)
+    if not use_te:
+        return _swap_local_modules(block)
+    return _unfuse_te_norms(block) if unfuse_norms else block
+
+
+def _unfuse_te_norms(block):
+    """TELayerNormColumnParallelLinear (linear_qkv, linear_fc1) -> TENorm in the layer's
+    input / pre-MLP norm slot + TEColumnParallelLinear, as Megatron's MLA spec lays them out.
+    The norm's parameters then carry the local names, which weights.py reads as well."""
+    from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
+                                                             TELayerNormColumnParallelLinear, TENorm)
+
+    def unfuse(layer):
+        sub, changes = layer.submodules, {}
+        for slot, linear, norm in (("self_attention", "linear_qkv", "input_layernorm"),
+                                   ("mlp", "linear_fc1", "pre_mlp_layernorm")):
+            part = getattr(sub, slot)
+            if (isinstance(part, ModuleSpec) and getattr(part.submodules, linear, None)
+                    is TELayerNormColumnParallelLinear):
+                changes[slot] = dataclasses.replace(part, submodules=dataclasses.replace(
+                    part.submodules, **{linear: TEColumnParallelLinear}))
+                changes[norm] = TENorm
+        return dataclasses.replace(layer, submodules=dataclasses.replace(sub, **changes))
+    return dataclasses.replace(block, layer_specs=[unfuse(spec) for spec in block.layer_specs])
 
 
 def _set_rope_frequencies(model, arch: ArchSpec):
@@ -275,9 +299,11 @@ def _set_rope_frequencies(model, arch: ArchSpec):
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 config_overrides: Optional[dict] = None,
-                fusions: Optional[dict] = None) -> List[TridentGPTModel]:
+                fusions: Optional[dict] = None, lora=None) -> List[TridentGPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for the HF config given.
-    `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`)."""
+    `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`); `lora`: a
+    engine.models.lora.LoraSpec whose adapters are attached, every other parameter frozen (so
+    Megatron's DDP and optimizer, built on these chunks afterwards, hold the adapters only)."""
     arch = arch_spec(hf_config)
     config = transformer_config(arch, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel,
@@ -297,7 +323,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        block = decoder_block_spec(config, use_te=use_te, vp_stage=stage)
+        block = decoder_block_spec(config, use_te=use_te, vp_stage=stage, unfuse_norms=lora is not None)
         model = TridentGPTModel(
             config=config,
             transformer_layer_spec=block,
@@ -315,4 +341,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
             _set_rope_frequencies(model, arch)
         model.arch = arch
         chunks.append(model)
+    if lora is not None:
+        from engine.models.lora import add_adapters
+        add_adapters(chunks, lora, hf_config)
     return chunks

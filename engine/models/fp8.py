@@ -10,6 +10,8 @@ from typing import Dict, Optional, Set, Tuple
 
 import torch
 
+from engine.errors import ModelError
+
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names
 
@@ -28,12 +30,12 @@ def check_supported(hf_config) -> None:
         return
     method = q.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"quantization_config.quant_method={method!r} in config.json is not "
+        raise ModelError(f"quantization_config.quant_method={method!r} in config.json is not "
                          "supported; Trident loads unquantised (bf16 / fp32) checkpoints and "
                          "block-wise fp8 ones (DeepSeek-V3): use the unquantised release")
     fmt = q.get("fmt", "e4m3")
     if fmt not in ("e4m3", "e5m2"):
-        raise ValueError(f"quantization_config.fmt={fmt!r} in config.json is not supported; "
+        raise ModelError(f"quantization_config.fmt={fmt!r} in config.json is not supported; "
                          "fp8 checkpoints use 'e4m3' (or 'e5m2')")
 
 
@@ -42,7 +44,7 @@ def block_size(hf_config) -> Tuple[int, int]:
     block = q.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"quantization_config.weight_block_size={block!r} in config.json: the "
+        raise ModelError(f"quantization_config.weight_block_size={block!r} in config.json: the "
                          "checkpoint holds fp8 weights with *_scale_inv blocks, so it must be "
                          "[rows, cols] of positive integers, e.g. [128, 128] as DeepSeek-V3 ships")
     return int(block[0]), int(block[1])
@@ -65,19 +67,19 @@ def validate(hf_config, index: Dict[str, tuple]) -> Set[str]:
         shape = tuple(index[name][1])
         scale = name + SCALE_SUFFIX
         if len(shape) != 2:
-            raise ValueError(f"{name}: fp8 tensor of shape {shape}; only 2-D weights with "
+            raise ModelError(f"{name}: fp8 tensor of shape {shape}; only 2-D weights with "
                              f"block scales are supported")
         if scale not in index:
-            raise ValueError(f"{name} is stored as {index[name][2]} without {scale}; the "
+            raise ModelError(f"{name} is stored as {index[name][2]} without {scale}; the "
                              "checkpoint is incomplete: download or copy it again")
         want = scale_shape(shape, block)
         if tuple(index[scale][1]) != want:
-            raise ValueError(f"{scale}: shape {tuple(index[scale][1])}, but weight {shape} in "
+            raise ModelError(f"{scale}: shape {tuple(index[scale][1])}, but weight {shape} in "
                              f"blocks of {list(block)} (quantization_config.weight_block_size) "
                              f"needs {want}; is config.json the one saved with these weights?")
     orphans = sorted(s for s in scales if s[:-len(SCALE_SUFFIX)] not in fp8)
     if orphans:
-        raise ValueError(f"{orphans[0]} scales a weight that is not stored as fp8 "
+        raise ModelError(f"{orphans[0]} scales a weight that is not stored as fp8 "
                          f"({len(orphans)} such scale(s)); the checkpoint is inconsistent")
     return {n + SCALE_SUFFIX for n in fp8}
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models import fp8, weights
+from engine.errors import ModelError, UserError
+from engine.models import fp8, lora, weights
 from parallel.shards import gather_global, load_global, local_shards
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +55,7 @@ def _no_safetensors_message(hf_dir):
 def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
     """hf_name -> (file, shape, dtype) from the safetensors headers of a HF model directory."""
     if not os.path.isdir(hf_dir):
-        raise ValueError(f"HF checkpoint directory {hf_dir!r} does not exist")
+        raise ModelError(f"HF checkpoint directory {hf_dir!r} does not exist")
     index_path = os.path.join(hf_dir, INDEX_FILE)
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -63,19 +64,19 @@ def read_index(hf_dir: str) -> Dict[str, Tuple[str, Tuple[int, ...], str]]:
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
-        raise ValueError(_no_safetensors_message(hf_dir))
+        raise ModelError(_no_safetensors_message(hf_dir))
     out = {}
     for name in files:
         path = os.path.join(hf_dir, name)
         if not os.path.exists(path):
-            raise ValueError(f"{INDEX_FILE} lists {name!r}, which is missing from {hf_dir!r}")
+            raise ModelError(f"{INDEX_FILE} lists {name!r}, which is missing from {hf_dir!r}")
         try:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     s = f.get_slice(key)
                     out[key] = (path, tuple(s.get_shape()), s.get_dtype())
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise ValueError(f"{path}: not a readable safetensors file ({e}); it is probably "
+            raise ModelError(f"{path}: not a readable safetensors file ({e}); it is probably "
                              "truncated or corrupt: download or copy it again") from e
     return out
 
@@ -143,17 +144,17 @@ def _check_names(hf_config, index, head):
             expected[SCORE_HEAD] = (1, hf_config.hidden_size)
     missing = sorted(set(expected) - set(index))
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) the config needs, e.g. "
+        raise ModelError(f"checkpoint is missing {len(missing)} tensor(s) the config needs, e.g. "
                          f"{missing[:3]}; is config.json the one saved with these weights?")
     wrong = [(n, index[n][1], expected[n]) for n in expected if tuple(index[n][1]) != tuple(expected[n])]
     if wrong:
         n, got, want = wrong[0]
-        raise ValueError(f"{n}: shape {tuple(got)} in {index[n][0]}, the config implies "
+        raise ModelError(f"{n}: shape {tuple(got)} in {index[n][0]}, the config implies "
                          f"{tuple(want)} ({len(wrong)} tensor(s) disagree); is config.json the "
                          "one saved with these weights?")
     unused = sorted(n for n in set(index) - set(expected) if not weights.ignored_hf_tensor(hf_config, n))
     if unused:
-        raise ValueError(f"checkpoint holds {len(unused)} tensor(s) this config does not use, "
+        raise ModelError(f"checkpoint holds {len(unused)} tensor(s) this config does not use, "
                          f"e.g. {unused[:3]}; is config.json the one saved with these weights?")
 
 
@@ -178,7 +179,7 @@ def load_config(hf_dir):
     try:
         return transformers.AutoConfig.from_pretrained(hf_dir)
     except Exception as e:
-        raise ValueError(f"cannot read the HF config in {hf_dir!r}: {e}") from e
+        raise ModelError(f"cannot read the HF config in {hf_dir!r}: {e}") from e
 
 
 @torch.no_grad()
@@ -200,6 +201,8 @@ def load_hf_weights(chunks, hf_dir: str, hf_config=None) -> None:
     read = fp8.dequantising_reader(read, index, hf_config)
 
     def get(global_name):
+        if lora.is_adapter_name(global_name):
+            return None  # LoRA adapters keep their initialisation: the checkpoint is the base
         if global_name == VALUE_HEAD:
             return read(SCORE_HEAD) if SCORE_HEAD in index else None  # None: keep the init
         return weights.megatron_from_hf(hf_config, global_name, read)
@@ -240,13 +243,13 @@ def _gather_group_ranks(shard):
     return dist.get_process_group_ranks(group)
 
 
-def _fail_together(error: Optional[str]):
-    """Raise the same ValueError on every rank if any rank found one (no rank left waiting)."""
+def _fail_together(error: Optional[str], cls=ValueError):
+    """Raise the same error on every rank if any rank found one (no rank left waiting)."""
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
-        raise ValueError(first)
+        raise cls(first)
 
 
 def copy_side_files(src_dir: Optional[str], dst_dir: str):
@@ -341,24 +344,26 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
     (a reward model) is saved with its head as `score.weight`, under the config that
     `sequence_classification_config` makes."""
     rank = dist.get_rank()
-    mine = _owned(chunks)
+    spec = lora.spec_of(chunks)
+    # a LoRA model is written merged (W + scale B A); every rank holds the small full adapters
+    adapters = lora.full_adapters(chunks) if spec is not None else {}
+    mine = {n: v for n, v in _owned(chunks).items() if not lora.is_adapter_name(n)}
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, {n: str(t.dtype).replace("torch.", "") for n, (t, _) in mine.items()})
+    _fail_together(check_new_output_dir(out_dir) if rank == 0 else None, UserError)
     value_head = any(VALUE_HEAD in m for m in metas)
     shapes = _hf_order(hf_config, value_head)
     order = list(shapes)
-    error = check_new_output_dir(out_dir) if rank == 0 else None
-    if value_head and not any(a.endswith("ForSequenceClassification")
+    if value_head and not any(a.endswith("ForSequenceClassification")  # a caller's bug
                               for a in getattr(hf_config, "architectures", None) or []):
-        error = error or ("a value-head model is saved as a sequence-classification model; pass "
-                          "the config from hf_io.sequence_classification_config(hf_config, pad)")
+        raise ValueError("a value-head model is saved as a sequence-classification model; pass "
+                         "the config from hf_io.sequence_classification_config(hf_config, pad)")
     held = set().union(*[set(m) for m in metas])
     absent = [n for n in order if n not in held]
     extra = sorted(held - set(order))
-    if absent or extra:
-        error = error or (f"the model chunks do not match the config: missing {absent[:3]}, "
-                          f"unknown {extra[:3]}; build the model from this config")
-    _fail_together(error)
+    if absent or extra:  # a bug: the chunks were built from this config
+        _fail_together(f"the model chunks do not match the config: missing {absent[:3]}, "
+                       f"unknown {extra[:3]}; build the model from this config")
 
     tmp = atomic_output_dir(out_dir) if rank == 0 else None
     save_dtype = _save_dtype(hf_config, dtype)
@@ -382,6 +387,7 @@ def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000
                     full = torch.empty(shapes[name], dtype=getattr(torch, metas[owner][name]))
                     dist.recv(full, src=owner)
             if rank == 0:
+                full = lora.merge(name, full, adapters, spec, hf_config) if adapters else full
                 for hf_name, t in _to_hf(hf_config, name, full):
                     keep_fp32 = name.endswith("router.expert_bias")
                     writer.add(hf_name, t.to(torch.float32 if keep_fp32 else save_dtype))

@@ -226,6 +226,12 @@ def hf_names_for(hf_config, global_name: str) -> List[str]:
     return names
 
 
+def row_blocks(hf_config, global_name: str) -> List[Tuple[str, int, int]]:
+    """(HF name, first row in the HF tensor, rows) of each row block of `global_name`, in
+    Megatron row order: how a tensor whose rows follow the weight's (a LoRA B) splits."""
+    return [(b.hf_name, b.start, b.rows) for b in _blocks(hf_config, _canonical(global_name))[0]]
+
+
 def expected_hf_tensors(hf_config) -> Dict[str, Tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds (MTP layers aside), with its shape."""
     out = {}

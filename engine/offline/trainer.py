@@ -8,10 +8,8 @@ metrics summed over DP, so `val/*` is the whole held-out set's mean whatever the
 import dataclasses
 import math
 import os
-import random
 import shutil
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -120,23 +118,17 @@ class OfflineTrainer:
 
     # -- checkpoints and export ----------------------------------------------------------------
     def state_dict(self):
-        return {"step": self.step_count, "loader": self.loader.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state()}}
+        # no RNG: this dict is rank 0's; the checkpoint manager keeps every rank's own
+        return {"step": self.step_count, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state):
         self.step_count = int(state["step"])
         if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
-            from engine.trainer import set_seed
+            from engine.checkpoint_state import reseed_rng
             self.loader.seek(self.step_count)  # the data position follows from the step
-            set_seed(self.cfg.trainer.seed + 1000003 * self.step_count + self.rank)
+            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
             return
         self.loader.load_state_dict(state["loader"])
-        rng = state.get("rng")
-        if rng:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
 
     def save(self):
         if self.checkpoints is not None:
@@ -152,7 +144,8 @@ class OfflineTrainer:
         if path is None:
             self.logger.start_fresh()
             return
-        self.load_state_dict(self.checkpoints.load(path, {self.worker_name: self.model}))
+        self.load_state_dict(self.checkpoints.load(path, {self.worker_name: self.model},
+                                                   rng_seed=self.cfg.trainer.seed))
         self.logger.truncate_after(self.step_count)
         if self.rank == 0:
             print(f"resumed from {path} at step {self.step_count}", flush=True)

@@ -126,13 +126,24 @@ class ActorWorker(LogProbModel):
 
     def __init__(self, hf_config, actor_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
+        from engine.models.lora import LoraSpec
+        # LoRA: only the adapters train, checkpoints hold them (engine/checkpoint_state.py)
+        self.lora = LoraSpec.from_config(model_cfg, seed=actor_cfg.megatron.seed)
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,
-                         pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay)
+                         pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay,
+                         lora=self.lora)
         self.cfg = actor_cfg
         self.response_length = response_length
         self.kl_coef = actor_cfg.kl_loss_coef  # update_policy's kl_coef replaces it (trainer state)
         self._ref_weight = None  # the reference's output-weight shard during an update (full KL)
+
+    def base_reference(self):
+        """The reference policy of a LoRA actor: this model with its adapters off (no second
+        model in memory)."""
+        if self.lora is None:
+            raise ValueError("base_reference: the actor has no LoRA adapters; build a ReferenceWorker")
+        return AdaptersOffReference(self)
 
     mini_batch_size_per_rank = None  # set by the trainer from engine.config.derive
 
@@ -309,3 +320,34 @@ class ReferenceWorker(LogProbModel):
                          pad_token_id=pad_token_id)
         for p in (p for c in self.chunks for p in c.parameters()):
             p.requires_grad_(False)
+
+
+class AdaptersOffReference:
+    """What the trainer asks of a reference, answered by a LoRA actor with its adapters off:
+    the base weights are the frozen reference (verl's LoRA reference). It owns no memory: in
+    the reference phase the actor's parameters are what must be on the device."""
+
+    name = "ref"
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def forward_outputs(self, batch, **kwargs):
+        from engine.models.lora import adapters_disabled
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.forward_outputs(batch, **kwargs)
+
+    def compute_log_prob(self, batch, **kwargs):
+        from engine.models.lora import adapters_disabled
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_log_prob(batch, **kwargs)
+
+    def set_resident(self, states):
+        # runs after the actor's own move (HybridEngine goes actor first): bring its
+        # parameters back if the actor's schedule offloaded them (actor param_offload)
+        params = self.actor._offloaders["params"]
+        if "params" in states and params.offloaded:
+            params.reload()
+
+    def resident_bytes(self):
+        return {}  # the actor's parameters, counted with the actor

@@ -186,7 +186,7 @@ class MegatronWorker:
     supports_context_parallel = False
 
     def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
-                 total_steps=1, pad_token_id=0, router_replay=False):
+                 total_steps=1, pad_token_id=0, router_replay=False, lora=None):
         if ps.get_context_parallel_world_size() > 1 and not self.supports_context_parallel:
             raise ValueError(f"{type(self).__name__} does not support context parallelism yet; "
                              "set its megatron.context_parallel_size=1")
@@ -207,7 +207,7 @@ class MegatronWorker:
                 recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
         self.router_replay = router_replay
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
-        self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype,
+        self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype, lora=lora,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
                                   config_overrides=overrides, fusions=megatron_cfg.fusions, **recompute)
         self.config = self.chunks[0].config

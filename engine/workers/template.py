@@ -56,6 +56,28 @@ def _halved(worker, mini, split):
                        "data.max_response_length or raise the model's parallelism (TP / PP / CP)")
 
 
+def mini_batch_rows(n, size, *, epoch=0, shuffle=False, seed=0):
+    """This DP rank's rows (of its n) in each mini-batch of `size` rows per rank, such that
+    mini-batch k holds the same rows of the global batch at every DP size.
+
+    The global batch is split over DP ranks in contiguous shards, so contiguous local chunks
+    would put other global rows together at DP 2 than at DP 1. Instead, with m = n / size
+    mini-batches, each run of m consecutive global rows gives one row to every mini-batch
+    (a rank's n rows are whole runs): by position, or with `shuffle` by the order of keys drawn
+    for every global row from (seed + epoch). n not a multiple of size: contiguous chunks."""
+    size = size or n
+    m = n // size
+    if n % size or m <= 1:
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    order = torch.arange(n).view(size, m)  # [run, place in run]
+    if shuffle:
+        from megatron.core import parallel_state as ps
+        dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        keys = torch.rand(dp * n, generator=torch.Generator().manual_seed(seed + epoch))
+        order = order.gather(1, keys[rank * n:(rank + 1) * n].view(size, m).argsort(dim=1))
+    return [order[:, k].tolist() for k in range(m)]
+
+
 def train_epochs(worker, batch, loss_head, reduce, *, epochs, mini_size, response_length,
                  micro_batch_size=None, max_tokens=None, order_seed=None, oom_retries=0):
     """`epochs` passes over `batch` in mini-batches of `mini_size` rows; one optimizer step each.
@@ -73,11 +95,9 @@ def train_epochs(worker, batch, loss_head, reduce, *, epochs, mini_size, respons
     history, skipped, retries = defaultdict(list), 0, 0
     n = len(batch)
     for epoch in range(epochs):
-        order = torch.arange(n)
-        if order_seed is not None:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(order_seed + epoch))
-        for start in range(0, n, mini_size or n):
-            mini = batch.index_select(order[start:start + (mini_size or n)].tolist())
+        for rows in mini_batch_rows(n, mini_size, epoch=epoch, shuffle=order_seed is not None,
+                                    seed=order_seed or 0):
+            mini = batch.index_select(rows)
             norm = global_counts(LossNormaliser.from_mask(mini["response_mask"], response_length),
                                  ps.get_data_parallel_group())
             while True:

@@ -1,0 +1,132 @@
+"""engine.launch_ray: the tiny recipe under Ray (2 CPU ranks as actors) gives torchrun's metrics
+step for step; a rank killed mid-run ends the job within a bounded time with a report naming it;
+ranks are numbered node by node with torchrun's environment."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine.launch_ray import Placement, assign_ranks
+from tests.test_e2e import ROOT, TINY, _records, _run
+
+VARYING = ("timing_s/", "perf/")  # wall-clock and memory figures differ run to run
+
+
+@pytest.fixture(scope="module")
+def ray_ok():
+    pytest.importorskip("ray")
+    probe = ("import ray; ray.init(address='local', num_cpus=1, include_dashboard=False, "
+             "log_to_driver=False); "
+             "ray.shutdown()")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.skip("Ray did not start within 180 s here")
+    if done.returncode != 0:
+        pytest.skip(f"Ray cannot start here: {done.stderr.strip()[-300:]}")
+
+
+def _ray_cmd(tmp_path, name, steps, extra=()):
+    return [sys.executable, "-m", "engine.launch_ray", os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"),
+            *TINY, f"trainer.total_training_steps={steps}", f"trainer.experiment_name={name}",
+            f"trainer.default_local_dir={tmp_path}/ckpt/{name}",
+            f"trainer.log_dir={tmp_path}/logs/{name}", *extra]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def test_ray_run_gives_torchrun_metrics(tmp_path, ray_ok):
+    extra = ["trainer.save_freq=-1", "trainer.test_freq=2"]
+    _, torchrun = _run(tmp_path, "torchrun", extra, steps=2)
+    done = subprocess.run(_ray_cmd(tmp_path, "ray", 2, extra), cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "[rank 0] step 2/2" in done.stdout  # rank-prefixed logs reach the driver
+    ray = _records(tmp_path, "ray")
+    assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == [1, 2]
+    for a, b in zip(torchrun, ray):
+        keys = {k for k in a if not k.startswith(VARYING)}
+        assert keys == {k for k in b if not k.startswith(VARYING)}
+        assert "actor/pg_loss" in keys and ("val/score/mean" in keys) == (a["step"] == 2)
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-12), (a["step"], k)
+
+
+def _reader(proc, lines):
+    for line in proc.stdout:
+        lines.append(line)
+
+
+def test_killed_rank_ends_the_job_with_a_report(tmp_path, ray_ok):
+    import psutil
+    proc = subprocess.Popen(_ray_cmd(tmp_path, "killed", 500, ["trainer.save_freq=-1",
+                                                               "trainer.test_freq=-1"]),
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = []
+    threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 400
+        while not any("[rank 0] step 2/500" in ln for ln in lines):  # training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        pids = {int(ln.split("pid ")[1].split()[0]): int(ln.split("rank ")[1].split(":")[0])
+                for ln in lines if ln.startswith("[launch_ray] rank ")}
+        victim = next(pid for pid, rank in pids.items() if rank == 1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=60)  # the bound: the job is over within a minute of the death
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    out = "".join(lines)
+    assert proc.returncode == 1, out[-3000:]
+    report = [ln for ln in out.splitlines() if "FAILED: rank 1 " in ln]
+    assert report, out[-3000:]
+    assert "phase '" in report[0] and f"pid {victim}" in report[0]
+    assert "stopped rank(s) [0]" in out or "then rank 0 " in out  # rank 0 killed, or failed after
+    survivor = next(pid for pid, rank in pids.items() if rank == 0)
+    assert not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
+    print(f"\njob ended {took:.1f} s after rank 1 was killed:\n"
+          + "\n".join(ln for ln in out.splitlines() if ln.startswith("[launch_ray]")))
+
+
+def test_a_rank_that_raises_is_reported_with_its_phase_and_error(tmp_path, ray_ok):
+    missing = str(tmp_path / "no_such_tokenizer")  # valid config, found missing by the ranks
+    done = subprocess.run(_ray_cmd(tmp_path, "raises", 2,
+                                   [f"actor_rollout_ref.model.tokenizer_path={missing}"]),
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    report = [ln for ln in out.splitlines() if "[launch_ray] FAILED: rank " in ln]
+    assert report and "in phase 'startup'" in report[0] and "no_such_tokenizer" in report[0], out[-3000:]
+    assert "[rank 0] Traceback" in out  # the rank's own traceback, prefixed
+
+
+def test_ranks_are_numbered_node_by_node_with_each_nodes_gpus():
+    # two nodes of 4 GPUs, bundles granted in a scattered order
+    spots = [("b", "10.0.0.2", 3), ("a", "10.0.0.1", 1), ("b", "10.0.0.2", 0), ("a", "10.0.0.1", 0),
+             ("a", "10.0.0.1", 3), ("b", "10.0.0.2", 2), ("a", "10.0.0.1", 2), ("b", "10.0.0.2", 1)]
+    placements = [Placement(i, node, ip, (str(g),), 100 + i) for i, (node, ip, g) in enumerate(spots)]
+    ranked = assign_ranks(placements, 4, gpu=True)
+    assert [p.node_ip for p, _ in ranked] == ["10.0.0.2"] * 4 + ["10.0.0.1"] * 4  # bundle 0's node first
+    assert [p.gpu_ids[0] for p, _ in ranked] == ["0", "1", "2", "3"] * 2
+    for rank, (p, env) in enumerate(ranked):
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "8"
+        assert env["LOCAL_RANK"] == str(rank % 4) and env["GROUP_RANK"] == str(rank // 4)
+        # the node's GPUs in local-rank order: device LOCAL_RANK is this rank's own GPU
+        assert env["CUDA_VISIBLE_DEVICES"].split(",")[rank % 4] == p.gpu_ids[0]
+    cpu = assign_ranks([Placement(i, "n", "1.2.3.4", (), i) for i in range(2)], 2, gpu=False)
+    assert [e["LOCAL_RANK"] for _, e in cpu] == ["0", "1"] and "CUDA_VISIBLE_DEVICES" not in cpu[0][1]
+    uneven = placements[:3] + [Placement(9, "c", "10.0.0.3", ("0",), 9)]
+    with pytest.raises(ValueError, match="trainer.n_gpus_per_node=2"):
+        assign_ranks(uneven, 2, gpu=True)
