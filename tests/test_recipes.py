@@ -13,7 +13,8 @@ import transformers
 
 from engine.config import derive, load_config
 from engine.models.arch import ARCHITECTURES
-from tools.plan import estimate, hf_config_of, meta_rank_report, shape_of, stage_params
+from tools.plan import estimate, hf_config_of, meta_rank_report
+from tools.plan_memory import shape_of, stage_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # recipe -> GPU memory (GiB) it is planned for

@@ -24,5 +24,6 @@ from engine.config.schema import *  # noqa: F401,F403  (the dataclasses and allo
 from engine.config.schema import ConfigError, TridentConfig  # noqa: F401
 from engine.config.load import (all_keys, apply_override, from_dict, load_config, to_dict,  # noqa: F401
                                 to_yaml)
-from engine.config.validate import validate, validate_layout  # noqa: F401
+from engine.config.layout_check import validate_layout  # noqa: F401
+from engine.config.validate import validate  # noqa: F401
 from engine.config.derive import BatchPlan, Derived, Layout, derive, total_training_steps  # noqa: F401

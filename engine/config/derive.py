@@ -9,8 +9,8 @@ from typing import Any, Optional
 from engine.config.phases import phase_schedule
 from parallel.mesh import Layout
 from engine.config.schema import CRITIC_ESTIMATORS, TridentConfig
-from engine.config.validate import (_fail, _options, _resolve_megatron, rollout_topology_of,
-                                    sglang_test_double, validate, validate_layout)
+from engine.config.layout_check import _resolve_megatron, rollout_topology_of, validate_layout
+from engine.config.validate import _fail, _options, sglang_test_double, validate
 
 
 # --------------------------------------------------------------------------------------------
