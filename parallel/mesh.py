@@ -117,8 +117,8 @@ def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    if ps.model_parallel_is_initialized():  # a second layout in this process (tests, tools)
+        destroy_mesh()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -134,6 +134,15 @@ def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
 
 
 def destroy_mesh():
-    from megatron.core import parallel_state as ps
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    """Forget megatron's groups and destroy every process group but the default one: megatron's
+    destroy only drops its references, c10d keeps each group registered, and each gloo group
+    keeps its threads (about 3 per group; 17 groups per 2-rank layout) for the process's life."""
+    import sys
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    if dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)

@@ -65,10 +65,11 @@ def _worker_main(rank, world_size, port, inbox, outbox):
 
 
 def _reset_model_parallel():
-    import sys
-    if "megatron.core.parallel_state" in sys.modules:
-        from parallel.mesh import destroy_mesh
-        destroy_mesh()
+    import gc
+
+    from parallel.mesh import destroy_mesh
+    destroy_mesh()  # every group of the last call, with its gloo threads
+    gc.collect()
 
 
 class _Pool:
