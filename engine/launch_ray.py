@@ -201,7 +201,9 @@ class RankActor:
         finally:
             os._exit = real_exit
             self.capture.stop()
-        if result["left"] and self.capture.last:  # engine.train's one line on what failed
+        # engine.train's one line on what failed: after a failed collective, or a user's mistake
+        # (main returned 2 having printed `error: ...`)
+        if self.capture.last and (result["left"] or (result["rc"] and result["error"] is None)):
             result["error"] = self.capture.last.strip()[:600]
         result["phase"] = current_phase()
         return result

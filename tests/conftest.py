@@ -10,11 +10,6 @@ if ROOT not in sys.path:
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through the interpreter
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run with -m gpu on a GPU machine)")
-    config.addinivalue_line("markers", "slow: longer end-to-end tests")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():

@@ -32,11 +32,11 @@ def lora_meta(step_dir):
     """The LoRA settings a trainer checkpoint (global_step_N) was saved with."""
     path = os.path.join(step_dir, "meta.json")
     if not os.path.exists(path):
-        raise ValueError(f"--ckpt {step_dir!r} is not a trainer checkpoint (no meta.json); pass a "
+        raise UsageError(f"--ckpt {step_dir!r} is not a trainer checkpoint (no meta.json); pass a "
                          "global_step_N directory of a run with actor_rollout_ref.model.lora_rank > 0")
     info = json.load(open(path)).get("workers", {}).get("actor", {}).get("lora")
     if not info:
-        raise ValueError(f"--ckpt {step_dir!r} holds no LoRA actor (lora_rank was 0): its actor is a "
+        raise UsageError(f"--ckpt {step_dir!r} holds no LoRA actor (lora_rank was 0): its actor is a "
                          "full model; export it with the trainer's trainer.save_hf instead")
     return info
 

@@ -172,7 +172,7 @@ def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: s
     """The rollout engines (engine/rollout/topology.py) and what each GPU holds for them:
     the model's weights split over the engine's R GPUs, and SGLang's KV cache in the rest of
     its share (gpu_memory_utilization x GPU memory)."""
-    from engine.config.validate import rollout_topology_of
+    from engine.config.layout_check import rollout_topology_of
 
     topo = rollout_topology_of(cfg, world_size, num_attention_heads=s.a)
     r = cfg.actor_rollout_ref.rollout
