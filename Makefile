@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 NPROC   ?= 2
 
-.PHONY: install test test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels
+.PHONY: install test test-all test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels
 
 $(STAMP): setup.py
 	python3 -m venv .venv
@@ -14,7 +14,14 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# The suite CI runs (~16 min on 2 cores): everything but the tests marked slow.
 test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# Everything, slow tests included (~23 min): the whole bad-input corpus, demo-real from a fresh
+# clone, the pairs -> reward model -> PPO pipeline, the real SmolLM2 round trip, and a few
+# longer resume / fault / Ray runs whose short versions `make test` keeps.
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # A fast subset: 25 s on an idle 2-core machine, ~2 min when others load it (files measured one by one):

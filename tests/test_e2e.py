@@ -158,6 +158,7 @@ def test_exact_kl_loss_and_reward_train(tmp_path):
     assert records[0]["actor/reward_kl_penalty"] == 0 < records[1]["actor/reward_kl_penalty"]
 
 
+@pytest.mark.slow  # 38 s; resume itself is test_killed_run_resumes_to_the_same_metrics_and_weights
 def test_kl_guard_state_resumes_exactly(tmp_path):
     """The KL guard fires at every step (a ceiling below any KL): its coefficient grows x1.2 per
     step and drives the KL loss. Killed after the step-2 checkpoint (two steps before the end:

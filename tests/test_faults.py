@@ -92,6 +92,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert rc != 0 and seconds < 150, (rc, seconds, out[-2000:])
 
 
+@pytest.mark.slow  # 37 s: three runs
 def test_a_truncated_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
     once = ["trainer.save_freq=1", "trainer.save_hf=false"]
     rc, out, _ = _run(tmp_path, "straight", once, 3)
