@@ -3,6 +3,7 @@
     python tools/benchmark.py step [--workload tiny|3m|75m|RECIPE] [--baseline] [--json F]
     python tools/benchmark.py reshard [--size-mb 200]
     python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
+    python tools/benchmark.py pool [--steps 6]         # separate rollout pool: off- vs on-policy
     python tools/benchmark.py all                      # every subcommand with its defaults
 
 Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register
@@ -169,12 +170,13 @@ def run_kernels(args):
 # ---------------------------------------------------------------------------------------------
 
 from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
-from tools import bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
+from tools import bench_pool, bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
 
 SUBCOMMANDS = {
     "step": (bench_step.add_arguments, bench_step.run),
     "reshard": (bench_reshard.add_arguments, bench_reshard.run),
     "kernels": (add_kernels_args, run_kernels),
+    "pool": (bench_pool.add_arguments, bench_pool.run),
 }
 
 
