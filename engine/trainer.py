@@ -117,12 +117,10 @@ class Trainer:
                 self.logger.log(metrics, self.step_count)
                 self.rollback()
                 continue
-            if trainer.test_freq > 0 and (self.step_count % trainer.test_freq == 0
-                                          or self.step_count == self.total_steps):
+            if trainer.due("test_freq", self.step_count, self.total_steps):
                 metrics.update(self.validate())
             self.logger.log(metrics, self.step_count)
-            if trainer.save_freq > 0 and (self.step_count % trainer.save_freq == 0
-                                          or self.step_count == self.total_steps):
+            if trainer.due("save_freq", self.step_count, self.total_steps):
                 self.save()
         if trainer.save_hf:
             from engine.models.hf_io import save_hf_weights

@@ -423,6 +423,12 @@ class TrainerConfig:
     # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
     task: Task = "ppo"
 
+    def due(self, freq_key: str, step: int, total: int) -> bool:
+        """Whether validation (test_freq) or a checkpoint (save_freq) is due after `step`:
+        every `freq` steps and at the last one; never with freq <= 0."""
+        freq = getattr(self, freq_key)
+        return freq > 0 and (step % freq == 0 or step == total)
+
 
 @dataclass
 class TridentConfig:

@@ -75,12 +75,10 @@ class OfflineTrainer:
             metrics.update(timings)
             metrics.update(self.train_data.metrics)
             metrics.update(self._throughput(batch, timings["timing_s/step"]))
-            if t.test_freq > 0 and (self.step_count % t.test_freq == 0
-                                    or self.step_count == self.total_steps):
+            if t.due("test_freq", self.step_count, self.total_steps):
                 metrics.update(self.validate())
             self.logger.log(metrics, self.step_count)
-            if t.save_freq > 0 and (self.step_count % t.save_freq == 0
-                                    or self.step_count == self.total_steps):
+            if t.due("save_freq", self.step_count, self.total_steps):
                 self.save()
         if t.save_hf:
             self.export_hf()
