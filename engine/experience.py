@@ -185,19 +185,3 @@ class Pool(Source):
                                        + 1000003 * (step - 1))  # the seed of its own step
         self.client.request(step, list(prompts.input_ids), list(prompts.indices), sampling, trainer.dp)
         self.outstanding += 1
-
-
-def build_experience(cfg):
-    """The source a config asks for (the modules import this one: imported here)."""
-    if cfg.data.offline_path is not None:
-        from engine.experience_offline import Logged
-        source = Logged(cfg)
-    elif cfg.algorithm.filter_groups.enable:
-        from engine.dynamic_sampling import DynamicSampling
-        source = DynamicSampling(cfg)
-    else:
-        source = Online(cfg)
-    if cfg.algorithm.replay.enable:
-        from engine.replay import Replay
-        source = Replay(cfg, source)
-    return source

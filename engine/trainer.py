@@ -24,7 +24,8 @@ from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.checkpoint_state import reseed_rng
 from engine.data import PromptLoader
-from engine.experience import Pool, build_experience
+from engine.experience import Pool
+from engine.experience_sources import build_experience
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,

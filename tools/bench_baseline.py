@@ -20,7 +20,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
 
     from engine.config import derive, load_config
     from engine.tasks import make_builtin_task
-    from engine.train import load_hf_config
+    from engine.loading import load_hf_config
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)

@@ -162,7 +162,7 @@ def _describe(recipe, overrides):
     try:
         from engine.config import load_config
         from engine.perf import param_counts
-        from engine.train import load_hf_config
+        from engine.loading import load_hf_config
         hf = load_hf_config(load_config(recipe, [o for o in overrides if "=" in o]).actor_rollout_ref.model)
         return (f"{param_counts(hf).total / 1e9:.2f}B params (hidden {hf.hidden_size} x "
                 f"{hf.num_hidden_layers} layers)")

@@ -45,7 +45,7 @@ def hf_config_of(model_cfg):
     import transformers
 
     if model_cfg.config is not None:
-        from engine.train import load_hf_config
+        from engine.loading import load_hf_config
         return load_hf_config(model_cfg)
     path = os.path.expanduser(model_cfg.path)
     if not os.path.isfile(os.path.join(path, "config.json")):

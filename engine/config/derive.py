@@ -10,7 +10,8 @@ from engine.config.phases import phase_schedule
 from parallel.mesh import Layout
 from engine.config.schema import CRITIC_ESTIMATORS, TridentConfig
 from engine.config.layout_check import _resolve_megatron, rollout_topology_of, validate_layout
-from engine.config.validate import _fail, _options, sglang_test_double, validate
+from engine.config.checks import _fail, _options
+from engine.config.validate import sglang_test_double, validate
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import math
 from typing import Optional
 
 from engine.config.schema import LAYOUT_KEYS, ConfigError, MegatronConfig, TridentConfig
-from engine.config.validate import _fail, _options
+from engine.config.checks import _fail, _options
 
 
 # --------------------------------------------------------------------------------------------

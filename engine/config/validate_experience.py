@@ -4,7 +4,7 @@ replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and
 from __future__ import annotations
 
 from engine.config.schema import FilterGroupsConfig, ReplayConfig, TridentConfig
-from engine.config.validate import _check, _fail
+from engine.config.checks import _check, _fail
 
 
 def validate_experience(cfg: TridentConfig) -> None:

@@ -34,7 +34,7 @@ def build_offline(cfg, world_size):
     from engine.models.arch import arch_spec
     from engine.offline.trainer import DPOTrainer, RewardModelTrainer
     from engine.offline.workers import DPOWorker, RewardModelTrainWorker
-    from engine.train import copy_weights, load_hf_config, load_tokenizer
+    from engine.loading import copy_weights, load_hf_config, load_tokenizer
     from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)

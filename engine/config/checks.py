@@ -1,0 +1,38 @@
+"""The helpers every validation module shares: one ConfigError naming the key, the value and
+the fix; range checks; the divisors a key may take."""
+from __future__ import annotations
+
+import math
+import typing
+from typing import Any
+
+from engine.config.schema import ConfigError, _join
+
+
+def _fail(key: str, value: Any, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _check(obj: Any, prefix: str, name: str, *, gt=None, ge=None, le=None,
+           allow=(), optional=False) -> None:
+    """Range check on obj.name; `allow` lists extra accepted sentinels (e.g. -1 = off)."""
+    value = getattr(obj, name)
+    if (value is None and optional) or value in allow:
+        return
+    rules = [(gt, f"> {gt}", lambda v: v > gt), (ge, f">= {ge}", lambda v: v >= ge),
+             (le, f"<= {le}", lambda v: v <= le)]
+    wanted = [text for bound, text, _ in rules if bound is not None]
+    finite = not isinstance(value, float) or math.isfinite(value)
+    if not finite or not all(ok(value) for bound, _, ok in rules if bound is not None):
+        sentinel = "".join(f" (or {a!r} to turn it off)" for a in allow)
+        want = " and ".join(wanted) if wanted else "a finite number"
+        _fail(_join(prefix, name), value, f"must be {want}{sentinel}; set a value in that range")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _options(n: int) -> str:
+    ds = [str(d) for d in _divisors(n)]
+    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
