@@ -14,13 +14,13 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The suite CI runs (~16 min on 2 cores): everything but the tests marked slow.
+# The suite CI runs (15 min 10 s measured on 2 cores): everything but the tests marked slow.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-# Everything, slow tests included (~23 min): the whole bad-input corpus, demo-real from a fresh
-# clone, the pairs -> reward model -> PPO pipeline, the real SmolLM2 round trip, and a few
-# longer resume / fault / Ray runs whose short versions `make test` keeps.
+# Everything, slow tests included (they add ~7.5 min, measured file by file): the whole bad-input
+# corpus, demo-real from a fresh clone, the pairs -> reward model -> PPO pipeline, the real
+# SmolLM2 round trip, and a few longer resume / fault / Ray runs whose short versions make test keeps.
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 

@@ -301,9 +301,9 @@ def _main(argv=None):
 
     from engine.trainer import Trainer, set_seed
     from parallel.mesh import init_distributed
-    if not torch.cuda.is_available():  # the node's cores shared by every process on it (a pool too)
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs))
+    if not torch.cuda.is_available():
+        from parallel.cpu import threads_per_process
+        torch.set_num_threads(threads_per_process(os.environ, os.cpu_count()))
     from engine.guards import CollectiveWatch, is_collective_failure
     watch = CollectiveWatch().install()
     components, bridge, serving = None, None, False

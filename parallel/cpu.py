@@ -24,6 +24,14 @@ _ENABLED = False
 _MODE = None
 
 
+def threads_per_process(environ, cores):
+    """Intra-op threads for one process: the node's cores shared by every process launched on
+    it (torchrun's LOCAL_WORLD_SIZE: a separate rollout pool's ranks count too). More threads
+    than cores leave OpenMP's spinning workers fighting over them."""
+    procs = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+    return max(1, (cores or 1) // procs)
+
+
 def is_enabled():
     return _ENABLED
 

@@ -1,4 +1,5 @@
 """The multi-rank harness itself: results come back per rank, a hang fails fast."""
+import os
 import time
 
 import pytest
@@ -63,3 +64,20 @@ def test_closing_a_pool_ends_the_processes_its_workers_started():
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the worker's child outlived the pool"
         time.sleep(0.1)
+
+
+def _layouts_then_census(n):
+    from parallel.mesh import Layout, destroy_mesh, init_mesh
+    for tp in [2, 1] * n:  # a re-initialised mesh, then destroyed: what the harness does per test
+        init_mesh(Layout(tp=tp))
+    destroy_mesh()
+    return len(dist.distributed_c10d._world.pg_map), len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def test_a_layout_leaves_no_process_groups_or_threads_behind():
+    # megatron's destroy alone left 17 gloo groups (~50 threads) per 2-rank layout in the process
+    first = run_on_ranks(_layouts_then_census, 2, 1)
+    again = run_on_ranks(_layouts_then_census, 2, 4)
+    for (groups, threads), (groups_after, threads_after) in zip(first, again):
+        assert groups == groups_after == 1  # the default group only
+        assert threads_after <= threads + 2, (threads, threads_after)
