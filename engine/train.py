@@ -259,7 +259,9 @@ def serve_pool(cfg, bridge, n_train):
     """A separate pool's rank: its part of the rollout groups, serving the trainers' requests."""
     from engine.config import derive
     from engine.rollout.pool import serve
+    from engine.rollout.update_group import without_agent_store
     from engine.trainer import Trainer
+    without_agent_store(os.environ)  # this rank's world is up; its engines' workers meet the trainers
     tokenizer = load_tokenizer(cfg)
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))

@@ -387,8 +387,13 @@ class Trainer:
                 self.replica_group = group
         t = self.cfg.trainer
         train, pool = pool_ranks(self.world + t.rollout_pool_ranks, t.rollout_pool_ranks)
-        leaders = [pool.start + g.leader for g in derived.rollout_topology.groups]
-        return Pool(self.cfg, PoolClient(bridge, train, pool, replicas, leaders), t.off_policy_steps)
+        from engine.rollout.registry import backend_class
+        groups = derived.rollout_topology.groups
+        leaders = [pool.start + g.leader for g in groups]
+        direct = backend_class(self.cfg.actor_rollout_ref.rollout.name).WEIGHTS_FROM_DISTRIBUTED
+        client = PoolClient(bridge, train, pool, replicas, leaders, tps=[g.tp for g in groups] if direct else None,
+                            device=t.device, timeout_s=t.collective_timeout_s)
+        return Pool(self.cfg, client, t.off_policy_steps)
 
     def validate(self):
         if self.val_data is None or len(self.val_data) == 0:

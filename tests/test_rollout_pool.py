@@ -1,6 +1,7 @@
 """A separate rollout pool (trainer.rollout_pool=separate, engine/rollout/pool.py) through the real
 trainer: 2 training + 2 rollout ranks give the colocated run's steps; one-step off-policy keeps the
-number of updates and logs staleness 1."""
+number of updates and logs staleness 1; SGLang engines (the recording double in tests/fakes, whose
+TP workers are processes joining the group as sglang's do) get the weights over the update group."""
 import json
 import os
 import subprocess
@@ -15,8 +16,14 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy
             "actor/grad_norm", "response_length/mean")
 
 
-def _run(tmp_path, name, nproc, extra, steps=3):
+FAKES = os.path.join(ROOT, "tests", "fakes")
+
+
+def _run(tmp_path, name, nproc, extra, steps=3, sglang=False):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if sglang:
+        extra = [*extra, "actor_rollout_ref.rollout.name=sglang"]
+        env.update(PYTHONPATH=os.pathsep.join([ROOT, FAKES]), TRIDENT_FAKE_SGLANG_LOG=str(tmp_path / f"{name}.sglang"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "engine.train", os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), *TINY,
            f"trainer.total_training_steps={steps}", f"trainer.experiment_name={name}", "trainer.test_freq=-1",
@@ -55,3 +62,75 @@ def test_one_step_off_policy(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # one update per step, none lost
     assert [r["rollout/staleness"] for r in records] == [0, 1, 1, 1]
     assert all(r["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in r for r in records)
+
+
+def _records(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / f"{name}.sglang").read_text().splitlines()]
+
+
+def _syncs(records, rank):
+    """Per weight sync of the engine on `rank`: {HF name: digest} (each name loaded once)."""
+    out = []
+    for e in records:
+        if e["rank"] != rank:
+            continue
+        if e["kind"] == "begin_weight_update":
+            out.append({})
+        elif e["kind"].startswith("update_weights_from_"):
+            assert not set(e["digests"]) & set(out[-1]), "a weight loaded twice in one sync"
+            out[-1].update(e["digests"])
+    return out
+
+
+def test_sglang_pool_gets_weights_over_the_update_group(tmp_path):
+    """2 training + 2 pool ranks, one SGLang engine of TP 2 fed by training rank 0 (rank 1 feeds
+    none): the same steps, weights and per-sync engine weights as the colocated run's CUDA-IPC
+    hand-off, with the group set up once and no tensor crossing the bridge."""
+    tp2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    colocated = _run(tmp_path, "colocated", 2, tp2, sglang=True)
+    pool = _run(tmp_path, "pool", 4, POOL + tp2, sglang=True)
+    for a, b in zip(colocated, pool):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    a, b = _weights(tmp_path, "colocated", 3), _weights(tmp_path, "pool", 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    records = _records(tmp_path, "pool")
+    assert {e["rank"] for e in records} == {2}  # the engine's leader (pool rank 0 = launched rank 2)
+    kinds = [e["kind"] for e in records]
+    assert kinds[:2] == ["init", "init_weights_update_group"] and kinds.count("init_weights_update_group") == 1
+    join = records[1]
+    assert (join["rank_offset"], join["world_size"], join["backend"]) == (1, 3, "gloo")  # sender + 2 workers
+    assert "update_weights_from_tensor" not in kinds
+    assert all(e["workers"] == 2 and e["flush_cache"] is False and e["group_name"] == join["group_name"]
+               for e in records if e["kind"] == "update_weights_from_distributed")
+    assert kinds[-2:] == ["destroy_weights_update_group", "shutdown"]
+    # every sync loads every weight once, and the engine holds what the colocated engine held
+    reference = _syncs(_records(tmp_path, "colocated"), 0)
+    got = _syncs(records, 2)
+    assert len(got) == len(reference) == 3 and got == reference
+
+
+def test_one_training_rank_feeds_two_engines_with_one_broadcast(tmp_path):
+    """1 training + 2 pool ranks of TP 1: both engines join training rank 0's group (offsets 1
+    and 2 of 3) and receive the same weights at every sync."""
+    _run(tmp_path, "fanout", 3, POOL, steps=2, sglang=True)
+    records = _records(tmp_path, "fanout")
+    joins = sorted((e["rank"], e["rank_offset"], e["world_size"], e["group_name"])
+                   for e in records if e["kind"] == "init_weights_update_group")
+    assert joins == [(1, 1, 3, "trident-weights-0"), (2, 2, 3, "trident-weights-0")]
+    first, second = _syncs(records, 1), _syncs(records, 2)
+    assert len(first) == 2 and first == second and all(len(s) == len(first[0]) > 0 for s in first)
+
+
+def test_update_groups_spread_engines_over_the_training_ranks():
+    from engine.rollout.update_group import UpdateGroup, feeder, update_groups
+    # 3 engines of TP 2 on 2 training ranks: rank 0 feeds engines 0 and 1 in one group of 5
+    assert update_groups([10, 12, 14], [2, 2, 2], 2) == [
+        UpdateGroup(sender=0, name="trident-weights-0", world_size=5, engines=((10, 1), (12, 3))),
+        UpdateGroup(sender=1, name="trident-weights-1", world_size=3, engines=((14, 1),))]
+    # fewer engines than training ranks: spread out (ranks 0 and 4 of 8, on different nodes)
+    assert [g.sender for g in update_groups([8, 9], [1, 1], 8)] == [0, 4]
+    # every item has exactly one feeder, and the feeders are as even as can be
+    counts = [sum(feeder(i, 16, 6) == j for i in range(16)) for j in range(6)]
+    assert sum(counts) == 16 and max(counts) - min(counts) <= 1

@@ -21,6 +21,7 @@ ENGINE = "sglang/srt/entrypoints/engine.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
 TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
 
 
 def sglang_wheel() -> str:
@@ -133,10 +134,52 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
                  if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"memory tag {k!r} is not one of sglang's GPU memory types"
                  for k in used_api["memory_tags"] if k not in constants]
+    problems += success_problems(src, used_api["returns_success"])
+    problems += update_group_problems(src, used_api["update_group"])
     engine_strings = {n.value for n in ast.walk(src.tree(ENGINE))
                       if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"environment variable {k!r} is never read by the engine"
                  for k in used_api["env"] if k not in engine_strings]
+    return problems
+
+
+def _function(src: SglangSource, path: str, qualname: str):
+    """The def of ``qualname`` ('f' or 'Class.f') in ``path``, or None."""
+    body = src.tree(path).body
+    *owner, name = qualname.split(".")
+    if owner:
+        try:
+            body = src.class_def(path, owner[0]).body
+        except LookupError:
+            return None
+    return next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None)
+
+
+def success_problems(src: SglangSource, methods) -> list:
+    """Engine.m must return the tokenizer manager's m, annotated -> Tuple[bool, str]."""
+    problems = []
+    for m in methods:
+        engine = _function(src, ENGINE, f"Engine.{m}")
+        calls = {n.func.attr for n in ast.walk(engine) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute)} if engine else set()
+        manager = _function(src, TOKENIZER_CONTROL, f"TokenizerControlMixin.{m}")
+        returns = ast.unparse(manager.returns) if manager is not None and manager.returns else ""
+        if m not in calls or returns.replace(" ", "") != "Tuple[bool,str]":
+            problems.append(f"Engine.{m} does not answer (success, message)")
+    return problems
+
+
+def update_group_problems(src: SglangSource, functions: dict) -> list:
+    problems = []
+    for where, names in functions.items():
+        path, qualname = where.split(":")
+        node = _function(src, path, qualname)
+        if node is None:
+            problems.append(f"{where} does not exist")
+            continue
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        used |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+        problems += [f"{where} no longer uses {n!r}" for n in names if n not in used]
     return problems
 
 
@@ -181,6 +224,9 @@ def test_checker_catches_wrong_names(source):
     broken["LocalSerializedTensor"].append("tensors")
     broken["memory_tags"].append("kvcache")
     broken["env"].append("SGLANG_BLOCK_NONZERO_CHILDREN")
+    broken["returns_success"].append("flush_cache")  # sglang's flush_cache answers otherwise
+    broken["update_group"]["sglang/srt/utils/common.py:init_custom_process_group"].append("HashStore")
+    broken["update_group"]["sglang/srt/utils/common.py:init_update_group"] = []
     problems = contract_problems(source, broken)
     assert problems == ["Engine.generate has no parameter 'return_log_prob'",
                         "Engine.update_weights_from_tensors does not exist",
@@ -191,6 +237,9 @@ def test_checker_catches_wrong_names(source):
                         "module sglang.srt.weight_sync.nowhere does not exist",
                         "LocalSerializedTensor has no field 'tensors'",
                         "memory tag 'kvcache' is not one of sglang's GPU memory types",
+                        "Engine.flush_cache does not answer (success, message)",
+                        "sglang/srt/utils/common.py:init_custom_process_group no longer uses 'HashStore'",
+                        "sglang/srt/utils/common.py:init_update_group does not exist",
                         "environment variable 'SGLANG_BLOCK_NONZERO_CHILDREN' is never read by the engine"]
 
 
@@ -229,3 +278,19 @@ def test_adapter_builds_exactly_the_declared_arguments():
     tokens, logps, finish, routed = parse_result(result, prompt_len=3, routing_top_k=2)
     assert (tokens, logps, finish) == ([11, 2], [-0.5, -1.5], "stop")
     assert routed.shape == (4, 3, 2) and routed.flatten().tolist() == routing.tolist()
+
+
+def test_update_group_sender_uses_torch_names_that_exist():
+    """The sender's end of the weight-update group (engine/rollout/update_group.py) against the
+    installed torch: the names, the group constructor's parameters, and the environment variable
+    that turns torch's tcp:// rendezvous into torchrun's agent store."""
+    import importlib
+    import inspect
+
+    from engine.rollout.update_group import AGENT_STORE_ENV, TORCH_API
+    for module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        mod = importlib.import_module(module)
+        assert [n for n in TORCH_API[module] if not hasattr(mod, n)] == [], module
+    helper = importlib.import_module("torch.distributed.distributed_c10d")._new_process_group_helper
+    assert set(TORCH_API["_new_process_group_helper"]) <= set(inspect.signature(helper).parameters)
+    assert AGENT_STORE_ENV in inspect.getsource(sys.modules["torch.distributed.rendezvous"])

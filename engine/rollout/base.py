@@ -114,12 +114,16 @@ class RolloutEngine(ABC):
     leader. Backends whose workers read every group member's own copy of a weight bucket set
     `SHARES_BUCKETS`: each member calls `share_bucket` on its copy, the leader passes the
     gathered handles to `update_weights_from_shared`; the others load the leader's copy with
-    `update_weights`.
+    `update_weights`. Backends that set `WEIGHTS_FROM_DISTRIBUTED` receive a separate pool's
+    weights from the training rank over a collective group (`join_update_group`, then
+    `update_weights_from_distributed` per bucket: engine/rollout/update_group.py); the others get
+    them over the pool's bridge.
     """
 
     name = "?"
     SHARES_BUCKETS = False
     NEEDS_CUDA = False
+    WEIGHTS_FROM_DISTRIBUTED = False
 
     @staticmethod
     def share_bucket(named_tensors):

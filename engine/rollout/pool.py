@@ -6,10 +6,12 @@ the pool ranks form another (its rollout groups: engine/rollout/group.py); a `Br
 process group over every launched rank, set up once — carries the rest:
 
 * weights: after each update the training ranks materialise the full tensors bucket by bucket
-  (parallel/reshard.py, collective over the training world, one bucket of extra memory) and
-  training rank j sends each bucket to the pool ranks assigned to it (pool rank p <- training
-  rank p mod T), which load it into their group's engine (SGLang groups: the hand-off inside
-  the group as when colocated);
+  (parallel/reshard.py, collective over the training world, one bucket of extra memory). A
+  backend with WEIGHTS_FROM_DISTRIBUTED (SGLang) gets them straight from the training rank that
+  feeds its engine, over the weight-update group set up once at start (NCCL on GPU:
+  engine/rollout/update_group.py); the bridge carries only each bucket's manifest to the
+  engine's leader. Other backends (CPU) get each bucket over the bridge: training rank j sends
+  it to the pool ranks it feeds, which load it into their group's engine;
 * requests: training rank 0 sends every pool rank the same ordered stream of requests
   (weights, generate step s, validate, stop); pool ranks serve them in order, so a request for
   step s+1 sent before step s trains is generated while it trains (one-step off-policy);
@@ -39,7 +41,7 @@ class Bridge:
         from parallel.mesh import launch_store
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("trident-bridge/", launch_store(timeout_s)), rank, world,
                                         timedelta(seconds=timeout_s))
-        self.rank, self.bytes = rank, 0
+        self.rank, self.world, self.bytes = rank, world, 0
         self._pending = []  # (work, tensor): a send in flight keeps its buffer alive
 
     def send(self, obj, dst):
@@ -76,6 +78,10 @@ def _flat(named):
     return torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in named])
 
 
+def _is_end(message):
+    return isinstance(message, tuple) and len(message) == 2 and message[0] == "end"
+
+
 def _unflat(buffer, manifest):
     out, at = [], 0
     for name, shape, dtype in manifest:
@@ -92,35 +98,61 @@ def _unflat(buffer, manifest):
 class PoolClient:
     """The training ranks' end (every training rank holds one)."""
 
-    def __init__(self, bridge, train_ranks, pool, replicas, leaders):
+    def __init__(self, bridge, train_ranks, pool, replicas, leaders, tps=None, device="cpu", timeout_s=600):
         """replicas: training ranks of each DP replica; leaders: bridge ranks of the pool's
-        group leaders (each answers every relay, in this order)."""
+        group leaders (each answers every relay, in this order); tps: their engines' TP sizes
+        when the backend takes weights from distributed (else None); device: the training one."""
+        from engine.rollout.update_group import feeder
         self.bridge, self.pool, self.replicas = bridge, list(pool), replicas
         self.leaders = list(leaders)
         self.T = len(train_ranks)
         self.rank = dist.get_rank()  # training-world rank == bridge rank (training ranks come first)
         self.version = -1  # the weights the pool holds (0: the initial ones)
+        self.update_group = self.pg = None
+        if tps is not None:  # the engines this rank feeds join its group: once, now
+            self._open_update_group(tps, device, timeout_s)
+            self.fed = [leader for leader, _ in self.update_group.engines] if self.update_group else []
+        else:
+            self.fed = [p for i, p in enumerate(self.pool) if feeder(i, len(self.pool), self.T) == self.rank]
+
+    def _open_update_group(self, tps, device, timeout_s):
+        from engine.rollout.update_group import backend_for, open_as_sender, sender_address, update_groups
+        mine = [g for g in update_groups(self.leaders, tps, self.T) if g.sender == self.rank]
+        if not mine:
+            return
+        group, (address, port) = mine[0], sender_address()
+        backend = backend_for(torch.device(device))
+        for leader, offset in group.engines:
+            self.bridge.send(("update_group", dict(master_address=address, master_port=port, rank_offset=offset,
+                                                   world_size=group.world_size, group_name=group.name,
+                                                   backend=backend)), leader)
+        self.pg = open_as_sender(address, port, group.world_size, group.name, backend, timeout_s)
+        self.update_group = group
 
     def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None):
         """Collective over the training world: every bucket to every pool rank."""
         from engine.hybrid import _bucket_bytes, _to_hf
         from parallel.reshard import iter_buckets
+        from engine.rollout.update_group import broadcast_bucket, manifest
         self.version += 1
-        mine = [p for p in self.pool if p % self.T == self.rank]
         if self.rank == 0:
             for p in self.pool:
                 self.bridge.send(("weights", self.version), p)
         sent = 0
         for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan):
             named = _to_hf(hf_config, bucket)
-            if mine:
+            if self.pg is not None:  # the manifest to the leaders, the tensors over the group
+                for p in self.fed:
+                    self.bridge.send(manifest(named), p)
+                sent += broadcast_bucket(self.pg, named)
+            elif self.fed:
                 buffer = _flat(named)
-                manifest = [(n, tuple(t.shape), t.dtype) for n, t in named]
-                for p in mine:
-                    self.bridge.send(manifest, p)
+                head = [(n, tuple(t.shape), t.dtype) for n, t in named]
+                for p in self.fed:
+                    self.bridge.send(head, p)
                     self.bridge.send_tensor(buffer, p)
                 sent += buffer.numel()
-        for p in mine:  # the sender of a pool rank's buckets closes its stream
+        for p in self.fed:  # the sender of a pool rank's buckets closes its stream
             self.bridge.send(("end", None), p)
         return sent
 
@@ -163,6 +195,9 @@ class PoolClient:
             for p in self.pool:
                 self.bridge.send(("stop", None), p)
         self.bridge.flush()
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,19 +210,36 @@ def serve(bridge, group, T, generate):
     group: this rank's engine.rollout.group.GroupedRollout over the pool world;
     generate(engine, prompt_ids, sampling, keys) runs the engine."""
     from engine.rollout.topology import overlap, split_evenly
-    source = bridge.rank % T  # the training rank that sends this pool rank its weights
+    from engine.rollout.update_group import feeder
+    direct = group.backend.WEIGHTS_FROM_DISTRIBUTED
+    if direct:  # the training rank feeding this engine; its leader joins that rank's group
+        source = feeder(group.group.index, len(group.topology.groups), T)
+        if group.is_leader:
+            kind, params = bridge.recv(source)
+            assert kind == "update_group", kind
+            group.engine.join_update_group(**params)
+    else:  # the training rank sending this pool rank its buckets
+        source = feeder(bridge.rank - T, bridge.world - T, T)
     version = -1
     while True:
         kind, msg = bridge.recv(0)
         if kind == "stop":
             bridge.flush()
             return
+        if kind == "weights" and direct:
+            version = msg
+            if group.is_leader:  # only the manifests come here; the tensors come over the group
+                group.begin_sync()
+                while not _is_end(head := bridge.recv(source)):
+                    group.engine.update_weights_from_distributed(head)
+                group.finish_sync()
+            continue
         if kind == "weights":
             version = msg
             group.begin_sync()
             while True:
                 head = bridge.recv(source)  # a bucket's manifest, or the end of the stream
-                if isinstance(head, tuple) and head and head[0] == "end":
+                if _is_end(head):
                     break
                 buffer = torch.empty(sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel())
                                          for _, s, d in head), dtype=torch.uint8)

@@ -1,7 +1,9 @@
 """SGLang (GPU) rollout: the offline ``sglang.Engine`` colocated with training.
 
 Weights arrive bucket by bucket through ``update_weights_from_tensor`` (no cache flush per
-bucket) and one ``flush_cache`` closes the sync; memory is handed to training with
+bucket) and one ``flush_cache`` closes the sync; an engine of a separate pool receives them
+instead from its training rank over the weight-update group (``init_weights_update_group`` once,
+then ``update_weights_from_distributed`` per bucket: engine/rollout/update_group.py); memory is handed to training with
 ``release_memory_occupation`` (the engine runs with ``enable_memory_saver=True``). sglang is
 imported only when an engine is built, so nothing on a CPU machine imports it.
 
@@ -27,6 +29,10 @@ USED_API = {
         "__init__": [],  # takes **kwargs, turned into ServerArgs(**kwargs)
         "generate": ["input_ids", "sampling_params", "return_logprob", "return_routed_experts"],
         "update_weights_from_tensor": ["named_tensors", "flush_cache"],
+        "init_weights_update_group": ["master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                      "backend"],
+        "update_weights_from_distributed": ["names", "dtypes", "shapes", "group_name", "flush_cache"],
+        "destroy_weights_update_group": ["group_name"],
         "begin_weight_update": [],
         "end_weight_update": [],
         "flush_cache": [],
@@ -55,6 +61,21 @@ USED_API = {
     "LocalSerializedTensor": ["values"],
     # memory tags of release / resume_memory_occupation (sglang/srt/constants.py)
     "memory_tags": ["weights", "kv_cache", "cuda_graph"],
+    # Engine methods answering (success, message): a False is raised, never ignored
+    "returns_success": ["begin_weight_update", "update_weights_from_tensor", "end_weight_update",
+                        "init_weights_update_group", "update_weights_from_distributed",
+                        "destroy_weights_update_group"],
+    # the workers' end of the update group: "file:Class.function" -> names it must use. The sender's
+    # end (engine/rollout/update_group.py) mirrors them: a store at the sender, prefixed with the
+    # group's name, torch's group constructor, worker rank = rank_offset + tp_rank, broadcasts from 0
+    "update_group": {
+        "sglang/srt/utils/common.py:init_custom_process_group": ["rendezvous", "PrefixStore",
+                                                                 "_new_process_group_helper", "pg_group_ranks"],
+        "sglang/srt/model_executor/model_runner_components/weight_updater.py:WeightUpdater.init_weights_update_group":
+            ["init_custom_process_group", "rank_offset", "tp_rank"],
+        "sglang/srt/model_executor/model_runner_components/weight_updater.py:WeightUpdater.receive_weights_from_distributed":
+            ["broadcast", "empty"],
+    },
     # environment read by Engine: "0" lets a multi-node engine's node_rank >= 1 return
     "env": ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"],
 }
@@ -129,6 +150,7 @@ class SGLangRollout(RolloutEngine):
 
     SHARES_BUCKETS = True
     NEEDS_CUDA = True
+    WEIGHTS_FROM_DISTRIBUTED = True  # in a separate pool: straight from the training rank
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), model_path: Optional[str] = None,
                  dtype: str = "bfloat16", load_format: str = "dummy", tensor_model_parallel_size: int = 1,
@@ -158,6 +180,14 @@ class SGLangRollout(RolloutEngine):
         if not self.serves:  # node_rank >= 1 of a multi-node engine: start, do not block
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         self.engine = sglang.Engine(**kwargs, **extra_server_args)
+        self.update_group = None  # the weight-update group's name, once joined
+
+    @staticmethod
+    def _check(result, call: str):
+        """sglang answers weight calls with (success, message) instead of raising."""
+        ok, message = result
+        if not ok:
+            raise RuntimeError(f"sglang Engine.{call} failed: {message}")
 
     # -- weights ---------------------------------------------------------------------------
     @staticmethod
@@ -183,18 +213,33 @@ class SGLangRollout(RolloutEngine):
                                    f"every rank must stream the same buckets")
         named = [(name, LocalSerializedTensor(values=[part[i][1] for part in per_rank]))
                  for i, name in enumerate(names)]
-        self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
+        self._check(self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False),
+                    "update_weights_from_tensor")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.update_weights_from_shared([self.share_bucket(list(named_tensors))])
 
+    def join_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str) -> None:
+        """The engine's TP workers join the training rank's group (blocks until all have)."""
+        self._check(self.engine.init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend), "init_weights_update_group")
+        self.update_group = group_name
+
+    def update_weights_from_distributed(self, manifest: dict) -> None:
+        """One bucket ({names, dtypes, shapes}), broadcast by the training rank meanwhile."""
+        self._check(self.engine.update_weights_from_distributed(
+            names=manifest["names"], dtypes=manifest["dtypes"], shapes=manifest["shapes"],
+            group_name=self.update_group, flush_cache=False), "update_weights_from_distributed")
+
     def begin_weight_update(self) -> None:
-        self.engine.begin_weight_update()
+        self._check(self.engine.begin_weight_update(), "begin_weight_update")
 
     def finish_weight_update(self) -> None:
         # sglang loads whatever names it is given and cannot tell whether a sync was complete;
         # the CPU backend's test checks the names the trainer streams
-        self.engine.end_weight_update()
+        self._check(self.engine.end_weight_update(), "end_weight_update")
         self.engine.flush_cache()
 
     # -- generation ------------------------------------------------------------------------
@@ -228,4 +273,8 @@ class SGLangRollout(RolloutEngine):
         self.engine.resume_memory_occupation(tags=self._tags(tags))
 
     def shutdown(self) -> None:
+        if self.update_group is not None:
+            self._check(self.engine.destroy_weights_update_group(group_name=self.update_group),
+                        "destroy_weights_update_group")
+            self.update_group = None
         self.engine.shutdown()

@@ -8,6 +8,7 @@ set, to that JSONL file (for torchrun runs). Every name it offers is one the rea
 tests/test_sglang_contract.py checks those against the real wheel.
 """
 import base64
+import hashlib
 import json
 import os
 
@@ -15,6 +16,11 @@ import torch
 
 TRIDENT_TEST_DOUBLE = True  # lets rollout.name=sglang run on a CPU machine (engine.config)
 RECORDS = []
+
+
+def digest(tensor) -> str:
+    """sha1 of a tensor's bytes: what the engine holds, comparable with a saved checkpoint."""
+    return hashlib.sha1(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _record(kind, **fields):
@@ -39,11 +45,15 @@ class Engine:
             self.rollout = CPURollout(config, eos_token_ids=(),
                                       record_routing=bool(kwargs.get("enable_return_routed_experts")))
 
-    # -- weights ---------------------------------------------------------------------------
+    # -- weights (each answers (success, message), as sglang's do) ----------------------------
     def begin_weight_update(self):
         _record("begin_weight_update")
+        self.session = True
+        return True, "ok"
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if not getattr(self, "session", False):
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
         from sglang.srt.utils.common import MultiprocessingSerializer as S
 
@@ -61,12 +71,56 @@ class Engine:
             origins.append([S.origin(v) for v in value.values])
             loaded.append((name, copies[0]))
         _record("update_weights_from_tensor", names=names, shapes=shapes, origins=origins,
-                flush_cache=flush_cache)
+                flush_cache=flush_cache, digests={n: digest(t) for n, t in loaded})
         self.rollout.update_weights(loaded)
+        return True, "Success"
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl"):
+        """Each TP worker (a process of its own, as sglang's schedulers) joins at rank_offset + tp_rank."""
+        from sglang._update_worker import start
+        _record("init_weights_update_group", master_address=master_address, master_port=master_port,
+                rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
+        self.workers = getattr(self, "workers", {})
+        self.workers[group_name] = start(master_address, master_port,
+                                         [rank_offset + r for r in range(self.kwargs["tp_size"])],
+                                         world_size, group_name, backend)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        flush_cache=True, load_format=None):
+        if not getattr(self, "session", False):
+            return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                           "end_weight_update()")
+        workers = getattr(self, "workers", {}).get(group_name)
+        if workers is None:
+            return False, f"Failed to receive weights: group {group_name} was never initialised"
+        for conn, _ in workers:
+            conn.send((names, dtypes, shapes))
+        copies = [conn.recv() for conn, _ in workers]  # each worker's [(name, tensor)]
+        for name, dtype, shape, *got in zip(names, dtypes, shapes, *copies):
+            tensors = [t for _, t in got]
+            if any(list(t.shape) != list(shape) or str(t.dtype) != f"torch.{dtype}" for t in tensors):
+                return False, f"{name}: received {[tuple(t.shape) for t in tensors]}, manifest {shape} {dtype}"
+            if any(not torch.equal(tensors[0], t) for t in tensors[1:]):
+                return False, f"{name}: the TP workers received different tensors"
+        _record("update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
+                shapes=[list(s) for s in shapes], group_name=group_name, flush_cache=flush_cache,
+                workers=len(workers), digests={n: digest(t) for n, t in copies[0]})
+        self.rollout.update_weights(copies[0])
+        return True, "Succeeded to update parameter online."
+
+    def destroy_weights_update_group(self, group_name):
+        _record("destroy_weights_update_group", group_name=group_name)
+        from sglang._update_worker import stop
+        stop(self.workers.pop(group_name))
+        return True, "Succeeded to destroy custom process group."
 
     def end_weight_update(self):
         _record("end_weight_update")
+        self.session = False
         self.rollout.finish_weight_update()
+        return True, "ok"
 
     def flush_cache(self):
         _record("flush_cache")
@@ -106,3 +160,6 @@ class Engine:
 
     def shutdown(self):
         _record("shutdown")
+        from sglang._update_worker import stop
+        for workers in getattr(self, "workers", {}).values():
+            stop(workers)
