@@ -142,8 +142,9 @@ class PoolClient:
         for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan):
             named = _to_hf(hf_config, bucket)
             if self.pg is not None:  # the manifest to the leaders, the tensors over the group
+                described = manifest(named)
                 for p in self.fed:
-                    self.bridge.send(manifest(named), p)
+                    self.bridge.send(described, p)
                 sent += broadcast_bucket(self.pg, named)
             elif self.fed:
                 buffer = _flat(named)
