@@ -78,7 +78,7 @@ class Engine:
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
         """Each TP worker (a process of its own, as sglang's schedulers) joins at rank_offset + tp_rank."""
-        from sglang._update_worker import start
+        from tests.update_group_worker import start
         _record("init_weights_update_group", master_address=master_address, master_port=master_port,
                 rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
         self.workers = getattr(self, "workers", {})
@@ -112,7 +112,7 @@ class Engine:
 
     def destroy_weights_update_group(self, group_name):
         _record("destroy_weights_update_group", group_name=group_name)
-        from sglang._update_worker import stop
+        from tests.update_group_worker import stop
         stop(self.workers.pop(group_name))
         return True, "Succeeded to destroy custom process group."
 
@@ -160,6 +160,6 @@ class Engine:
 
     def shutdown(self):
         _record("shutdown")
-        from sglang._update_worker import stop
+        from tests.update_group_worker import stop
         for workers in getattr(self, "workers", {}).values():
             stop(workers)

@@ -1,19 +1,21 @@
-"""The double's TP workers for the weight-update group: one process per TP rank, as sglang's
-scheduler processes are. Each joins the way sglang's worker does (WeightUpdater.
+"""The SGLang double's TP workers for the weight-update group (also run by tests/gpu on CUDA):
+one process per TP rank, as sglang's scheduler processes are. Each joins the way sglang's worker does (WeightUpdater.
 init_weights_update_group -> init_custom_process_group: a TCP rendezvous at the sender, a store
 prefixed with the group's name, torch's process-group constructor, at rank rank_offset + tp_rank)
 and receives each bucket tensor by tensor, broadcast from rank 0, in manifest order."""
 import multiprocessing
 
 
-def start(master_address, master_port, ranks, world_size, group_name, backend):
-    """[(connection, process)] of the workers, once all have joined (the sender too)."""
+def start(master_address, master_port, ranks, world_size, group_name, backend, devices=None):
+    """[(connection, process)] of the workers, once all have joined (the sender too); worker i
+    receives into devices[i] (default: the CPU)."""
     ctx = multiprocessing.get_context("spawn")
     workers = []
-    for rank in ranks:
+    for i, rank in enumerate(ranks):
         ours, theirs = ctx.Pipe()
+        device = devices[i] if devices else "cpu"
         proc = ctx.Process(target=_main, args=(theirs, master_address, master_port, rank, world_size,
-                                               group_name, backend), daemon=True)
+                                               group_name, backend, device), daemon=True)
         proc.start()
         workers.append((ours, proc))
     for conn, _ in workers:
@@ -32,7 +34,7 @@ def stop(workers):
             proc.kill()
 
 
-def _main(conn, master_address, master_port, rank, world_size, group_name, backend):
+def _main(conn, master_address, master_port, rank, world_size, group_name, backend, device):
     from datetime import timedelta
 
     import torch
@@ -40,6 +42,8 @@ def _main(conn, master_address, master_port, rank, world_size, group_name, backe
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
     torch.set_num_threads(1)
+    if device != "cpu":
+        torch.cuda.set_device(device)  # NCCL binds the group to the current GPU
     try:
         timeout = timedelta(seconds=300)
         store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
@@ -54,9 +58,10 @@ def _main(conn, master_address, master_port, rank, world_size, group_name, backe
     conn.send("joined")
     while (request := conn.recv()) is not None:
         names, dtypes, shapes = request
-        weights = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes)]
+        weights = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                   for dtype, shape in zip(dtypes, shapes)]
         works = [dist.broadcast(w, src=0, group=pg, async_op=True) for w in weights]
         for work in works:
             work.wait()
-        conn.send(list(zip(names, weights)))
+        conn.send([(n, w.cpu()) for n, w in zip(names, weights)])
     dist.destroy_process_group(pg)
