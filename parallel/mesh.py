@@ -62,6 +62,23 @@ def device_type():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def node_address(environ=os.environ) -> str:
+    """This node's IPv4 address as the other nodes reach it (where a rollout engine's or a
+    weight-update group's peers meet): the interface that routes to the rendezvous host
+    MASTER_ADDR. The hostname's own entry is no use across nodes: /etc/hosts often maps it to
+    127.0.1.1 (or 127.0.0.1)."""
+    import socket
+    master = environ.get("MASTER_ADDR")
+    if master:
+        try:  # a UDP connect only picks the route and the source address; nothing is sent
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(environ.get("MASTER_PORT", "29500"))))
+                return s.getsockname()[0]
+        except OSError:  # not an IPv4 host, or no route: the hostname's entry
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
 _LAUNCH_STORE = []
 
 

@@ -107,3 +107,26 @@ def test_plan_prints_and_writes_the_rollout_layout(tmp_path):
     assert (rollout["engines"], rollout["gpus_per_engine"], rollout["nodes_per_engine"]) == (16, 16, 2)
     # 671B bf16 parameters over 16 GPUs, the KV cache in the rest of SGLang's share
     assert 75 < rollout["weights_per_gpu"] < 80 and rollout["kv_cache_per_gpu"] > 0
+
+
+def test_node_address_is_the_interface_the_other_nodes_reach():
+    """Where a multi-node engine's and a weight-update group's peers meet: the interface routing
+    to MASTER_ADDR (a hostname's /etc/hosts entry is often loopback, unreachable from elsewhere)."""
+    import socket
+
+    import psutil
+
+    from parallel.mesh import node_address
+    assert node_address({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}) == "127.0.0.1"
+    own = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not own:
+        pytest.skip("this machine has no IPv4 interface besides loopback")
+    for address in own:  # rank 0 on this node at that address: reached through it
+        assert node_address({"MASTER_ADDR": address, "MASTER_PORT": "29500"}) == address
+    # a rendezvous host elsewhere on the first interface's network: the same interface
+    network = own[0].rsplit(".", 1)[0]
+    peer = next(f"{network}.{n}" for n in (1, 2, 3) if f"{network}.{n}" not in own)
+    assert node_address({"MASTER_ADDR": peer}) in own
+    with socket.socket() as s:  # and peers can meet there: it is bound on this node
+        s.bind((node_address({"MASTER_ADDR": peer}), 0))

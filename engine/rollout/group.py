@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from engine.rollout.base import RolloutEngine, SamplingParams
 from engine.rollout.topology import RolloutTopology, replicas_of, route_plan, split_evenly
+from parallel.mesh import node_address
 
 
 def _send(obj, dst) -> tuple[list, int]:
@@ -86,7 +87,7 @@ class GroupedRollout:
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = s.getsockname()[1]
-            obj = [f"{socket.gethostbyname(socket.gethostname())}:{port}"]
+            obj = [f"{node_address()}:{port}"]
         dist.broadcast_object_list(obj, src=self.group.leader, group=self._group_pg)
         return obj[0]
 

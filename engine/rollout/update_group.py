@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parallel.mesh import node_address
+
 # torch.distributed names used to build the sender's end (as sglang builds the workers' end)
 TORCH_API = {
     "torch.distributed": ["TCPStore", "PrefixStore", "broadcast", "destroy_process_group"],
@@ -66,11 +68,11 @@ def update_groups(leaders, tps, senders: int) -> list[UpdateGroup]:
 
 
 def sender_address() -> tuple[str, int]:
-    """This host's address and a free port for the group's rendezvous."""
+    """This node's address (as the pool's nodes reach it) and a free port for the rendezvous."""
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return socket.gethostbyname(socket.gethostname()), port
+    return node_address(), port
 
 
 def open_as_sender(address: str, port: int, world_size: int, name: str, backend: str, timeout_s: float):
