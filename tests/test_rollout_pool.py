@@ -134,3 +134,10 @@ def test_update_groups_spread_engines_over_the_training_ranks():
     # every item has exactly one feeder, and the feeders are as even as can be
     counts = [sum(feeder(i, 16, 6) == j for i in range(16)) for j in range(6)]
     assert sum(counts) == 16 and max(counts) - min(counts) <= 1
+
+
+def test_a_worker_that_never_joins_is_named_with_the_address_and_the_wait():
+    from engine.rollout.update_group import open_as_sender, sender_address
+    address, port = sender_address()
+    with pytest.raises(RuntimeError, match=rf"trident-weights-0: waited 2 s at {address}:{port} for 1 SGLang"):
+        open_as_sender(address, port, 2, "trident-weights-0", "gloo", timeout_s=2)

@@ -83,7 +83,13 @@ def open_as_sender(address: str, port: int, world_size: int, name: str, backend:
     timeout = timedelta(seconds=timeout_s)
     # the workers' tcp:// rendezvous connects as clients; rank 0 hosts the store (what torch's
     # rendezvous does for rank 0 outside torchrun; under torchrun it would expect the agent's)
-    store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+    try:
+        store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
+    except RuntimeError as e:  # torch's DistStoreError: not every worker came
+        raise RuntimeError(
+            f"weight-update group {name}: waited {timeout_s:.0f} s at {address}:{port} for "
+            f"{world_size - 1} SGLang TP worker(s) ({e}). The pool's nodes must reach this address "
+            "(the interface routing to MASTER_ADDR); trainer.collective_timeout_s is the wait") from e
     pg, _ = _new_process_group_helper(group_size=world_size, group_rank=0, global_ranks_in_group=[],
                                       backend=Backend(backend), store=dist.PrefixStore(name, store),
                                       group_name=name, backend_options=None, timeout=timeout)
