@@ -261,3 +261,60 @@ def test_checksums_stream_in_blocks_and_older_sha256_manifests_verify(tmp_path):
     _damage(str(tmp_path / "big.bin"), "flip")
     with pytest.raises(cf.CheckpointError, match="does not match the sha256"):
         cf.verify_manifest(str(tmp_path))
+
+
+# -- what is divided over ranks is checked in every rank's part -------------------------------
+def _shares_run(root):
+    """Each rank writes nothing; rank 0 lays out files of distinct sizes and a manifest built by
+    the ranks together. Then, for every rank r, one file of rank r's share is damaged (a byte
+    flipped: sizes still match) and every rank must report that file."""
+    import torch.distributed as dist
+
+    from engine import checkpoint_files as cf
+
+    directory = os.path.join(root, "ckpt")
+    if dist.get_rank() == 0:
+        os.makedirs(directory)
+        for i in range(7):
+            with open(os.path.join(directory, f"part_{i}.bin"), "wb") as f:
+                f.write(bytes([i]) * (1000 + 300 * i))
+    dist.barrier()
+    files = cf.make_durable(directory)
+    entries = cf.manifest_entries(directory, files)
+    if dist.get_rank() == 0:
+        cf.write_manifest(directory, entries)
+    dist.barrier()
+    out = {"entries": entries, "intact": cf.verify_checkpoint(directory, "checksum"), "damaged": {}}
+    for owner in range(dist.get_world_size()):
+        rel = cf.share(files, owner, dist.get_world_size())[-1]  # the smallest file of that share
+        if dist.get_rank() == 0:
+            _damage(os.path.join(directory, rel), "flip")
+        dist.barrier()
+        out["damaged"][owner] = (rel, cf.verify_checkpoint(directory, "checksum"),
+                                 cf.verify_checkpoint(directory, "size"))
+        if dist.get_rank() == 0:
+            _damage(os.path.join(directory, rel), "flip")  # flipped back
+        dist.barrier()
+    return out
+
+
+def test_checkpoint_checks_cover_every_ranks_share(tmp_path):
+    """Manifest checksums and verification are split over ranks: a flipped byte in any rank's
+    part is found, and the manifest the ranks build equals the one-process manifest."""
+    from engine import checkpoint_files as cf
+
+    results = run_on_ranks(_shares_run, 2, str(tmp_path))
+    directory = str(tmp_path / "ckpt")
+    files = cf.list_files(directory)
+    alone = {rel: {"size": size, "crc32": cf.file_checksum(os.path.join(directory, rel))}
+             for rel, size in files}
+    shares = [set(cf.share(files, r, 2)) for r in range(2)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    for res in results:
+        assert res["entries"] == alone
+        assert res["intact"] is None
+        for owner in (0, 1):
+            rel, problem, size_only = res["damaged"][owner]
+            assert rel in shares[owner]
+            assert problem is not None and rel in problem and "does not match the crc32" in problem
+            assert size_only is None  # a flip keeps the size: only checksums see it
