@@ -358,3 +358,46 @@ def test_reference_and_critic_take_the_actors_param_dtype():
     assert d.config.actor_rollout_ref.ref.megatron.params_dtype == "bfloat16"
     assert_mentions(error_of(demo, "actor_rollout_ref.actor.megatron.params_dtype=null"),
                     "actor_rollout_ref.actor.megatron.params_dtype", "float32")
+
+
+def _whole_prompt_case(world, tp, batch, n, rollout_tp):
+    return layout_cfg(world, f"data.train_batch_size={batch}", f"actor_rollout_ref.rollout.n={n}",
+                      f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+                      "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+                      f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
+                      f"{MEG}.tensor_model_parallel_size={tp}", "algorithm.adv_estimator=rloo"
+                      if n > 1 else "algorithm.adv_estimator=reinforce_plus_plus")
+
+
+def test_step_batch_splits_over_dp_in_whole_prompts():
+    """Generation hands each DP replica whole prompts (all n responses of a prompt train on one
+    replica): derive() accepts exactly the batches the rollout's route_plan can split, over
+    every rollout-group count, instead of the first generation raising after the models are
+    built. Reference: engine/rollout/topology.route_plan itself."""
+    import itertools
+
+    from engine.rollout.topology import route_plan
+    seen = {True: 0, False: 0}
+    for world, tp, batch, n, rollout_tp in itertools.product((2, 4), (1, 2), (2, 3, 4, 6), (1, 2, 3), (1, 2)):
+        if tp > world or rollout_tp > world:
+            continue
+        cfg = _whole_prompt_case(world, tp, batch, n, rollout_tp)
+        dp = world // tp
+        try:
+            route_plan(batch, world // rollout_tp, dp)
+            splits = True
+        except ValueError:
+            splits = False
+        seen[splits] += 1
+        if splits:
+            d = derive(cfg, world)
+            assert d.rollout_batch_size_per_rank == batch * n // dp
+        else:
+            msg = error_of(derive, cfg, world)
+            assert_mentions(msg, f"data.train_batch_size={batch}", f"rollout.n {n}", f"{dp} data-parallel")
+    assert seen[True] and seen[False]
+    # the case the old check let through: 3 prompts x 2 = 6 sequences over DP 2, 3 prompts do not
+    msg = error_of(derive, _whole_prompt_case(2, 1, 3, 2, 1), 2)
+    assert_mentions(msg, "data.train_batch_size=3", "whole prompts", "multiple of 2")
+    assert "\n" not in msg

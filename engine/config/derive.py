@@ -173,10 +173,15 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
                     sequence_parallel=bool(m.sequence_parallel))
     rollout_batch = data.train_batch_size * rollout.n
-    if rollout_batch % layout.dp:
+    # generation hands each DP replica whole prompts (a prompt's n responses train on one
+    # replica: engine/rollout/topology.route_plan), so the prompts, not the sequences, must split
+    if data.train_batch_size % layout.dp:
+        up = -(-data.train_batch_size // layout.dp) * layout.dp
         _fail("data.train_batch_size", data.train_batch_size,
-              f"x rollout.n {rollout.n} = {rollout_batch} sequences do not split over {layout.dp} data-parallel "
-              f"ranks; make train_batch_size x rollout.n a multiple of {layout.dp}")
+              f"x rollout.n {rollout.n} = {rollout_batch} sequences, but each of the {layout.dp} data-parallel "
+              f"ranks trains whole prompts (all n responses of a prompt) and {data.train_batch_size} prompts "
+              f"do not split over {layout.dp} data-parallel ranks; make data.train_batch_size a multiple of "
+              f"{layout.dp} (e.g. {up})")
     # a KL term, or DPO's implicit token reward (its log-ratio to the reference), needs the reference
     use_reference = (actor.use_kl_loss or out.algorithm.use_kl_in_reward
                      or out.reward_model.token_level == "implicit")
