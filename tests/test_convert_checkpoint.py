@@ -246,3 +246,22 @@ def test_cli_moe_defaults_and_missing_parents(tmp_path):
     assert meta["world_size"] == 2 and meta["layout"]["etp"] == 1 and meta["layout"]["ep"] == 2
     assert sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))[-1].startswith("__1_")
     assert sorted(os.listdir(tmp_path / "new" / "deeper")) == ["ckpt"]  # no temporary dir left
+
+
+@pytest.mark.parametrize("command", ["hf-to-mcore", "mcore-to-hf", "lora-to-hf", "gguf-to-hf"])
+def test_cli_refuses_an_existing_out(command, qwen2_dir, tmp_path, capsys):
+    """Every --out 'must not exist' (the help's word): an existing one, even empty, is refused
+    in one line with exit 2 and left as it was (gguf-to-hf alone refused it before)."""
+    inputs = {"hf-to-mcore": ["--hf", qwen2_dir], "mcore-to-hf": ["--ckpt", str(tmp_path / "ckpt")],
+              "lora-to-hf": ["--ckpt", str(tmp_path / "ckpt"), "--base", qwen2_dir],
+              "gguf-to-hf": ["--gguf", str(tmp_path / "m.gguf")]}[command]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "metadata.json").write_text("{}")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, _, err = _main(capsys, command, *inputs, "--out", str(out))
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--out {str(out)!r} already exists" in lines[0], err
+    assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["ckpt", "m.gguf", "out"]

@@ -324,11 +324,12 @@ def _prepare(args):
     """Check every argument before any work (and before ranks are spawned): inputs readable,
     output new, layout possible for the model and the ranks; fill in --etp and --nproc. The
     missing parents of --out are created last (and removed by main() if the conversion fails)."""
+    if os.path.lexists(args.out):  # every command creates --out itself (atomically, at the end)
+        raise UsageError(f"--out {args.out!r} already exists; choose a new directory (the conversion "
+                         "creates it)")
     if args.command == "gguf-to-hf":
         if not os.path.isfile(args.gguf):
             raise UsageError(f"--gguf {args.gguf!r} is not a file; pass the path of a .gguf file")
-        if os.path.exists(args.out):
-            raise UsageError(f"--out {args.out!r} already exists; choose a new directory")
     elif args.command == "hf-to-mcore" and not os.path.isdir(args.hf):
         raise UsageError(f"--hf {args.hf!r} is not a directory; pass a HF model directory "
                          "(config.json + *.safetensors)")
