@@ -74,12 +74,15 @@ def prepare(cfg, world_size) -> Prepared:
         critic_hf = load_hf_config(critic, vocab_size=len(tokenizer), key="critic.model")
         model_spec(critic_hf, critic, "critic.model")
         _check_weights(critic_hf, critic, "critic.model", "value")
+    if derived.use_critic:  # it reads the policy's token ids: its own tokenizer must agree
+        _check_token_ids(tokenizer, critic, model, "critic.model")
     rm_config = None
     if resolved.reward_model.enable:
         rm_config = load_hf_config(resolved.reward_model.model, key="reward_model.model")
         model_spec(rm_config, resolved.reward_model.model, "reward_model.model")
         implicit = resolved.reward_model.token_level == "implicit"  # a DPO policy: a language model
         _check_weights(rm_config, resolved.reward_model.model, "reward_model.model", "lm" if implicit else "value")
+        _check_token_ids(tokenizer, resolved.reward_model.model, model, "reward_model.model", rm_config)
     from engine.rollout.registry import check_available
     try:
         check_available(resolved.actor_rollout_ref.rollout.name)
@@ -108,6 +111,35 @@ def _check_weights(hf_config, model_cfg, key, head):
         hf_io.validate_checkpoint(hf_config, hf_io.read_index(model_cfg.path), head)
     except ModelError as e:
         raise ModelError(f"{key}.path={model_cfg.path!r}: {e}") from None
+
+
+def _check_token_ids(tokenizer, model_cfg, actor_model, key, hf_config=None):
+    """A model that reads the policy's token ids as they are (engine/workers/reward_model.py and
+    the critic: no decode, no re-tokenisation) needs an embedding row for every policy token and
+    a tokenizer mapping each to the same id. Its tokenizer: `key.tokenizer_path`, else `key.path`."""
+    if hf_config is not None and hf_config.vocab_size < len(tokenizer):
+        raise ConfigError(f"{key}.path={model_cfg.path!r}: its vocabulary has {hf_config.vocab_size} tokens, "
+                          f"fewer than the policy tokenizer's {len(tokenizer)} tokens; it reads the policy's "
+                          "token ids, so use a model trained with the policy's tokenizer")
+    where, path = ((f"{key}.tokenizer_path", model_cfg.tokenizer_path) if model_cfg.tokenizer_path
+                   else (f"{key}.path", model_cfg.path))
+    policy = actor_model.tokenizer_path or actor_model.path
+    if path is None or (policy and os.path.realpath(path) == os.path.realpath(policy)):
+        return  # a randomly initialised model (no tokenizer of its own), or the policy's tokenizer
+    from transformers import AutoTokenizer
+    fix = f"set {key}.tokenizer_path to the tokenizer it was trained with, which must be the policy's"
+    try:
+        own = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{where}={path!r}: no tokenizer there ({str(e).strip().splitlines()[0][:200]}); "
+                          f"{fix}") from None
+    theirs = own.get_vocab()
+    for token, i in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        if theirs.get(token) != i:
+            raise ConfigError(f"{where}={path!r}: its tokenizer maps {token!r} to id {theirs.get(token)} where "
+                              f"the policy's maps it to {i}; {key} reads the policy's token ids as they are "
+                              "(no re-tokenisation), so it needs the same tokenizer: use a model trained with "
+                              f"the policy's tokenizer, or {fix}")
 
 
 def _trained_workers(derived):

@@ -65,6 +65,8 @@ def _critic_from_its_own_model(tmp):
                           pad_token_id=0, tie_word_embeddings=False)
         torch.manual_seed(3)
         LlamaForSequenceClassification(cfg).save_pretrained(path)
+        from engine.tasks import save_tokenizer
+        save_tokenizer(path)  # the policy's: a critic reads its token ids as they are
     torch.distributed.barrier()
     t = _trainer(["trainer.resume_mode=disable", "algorithm.adv_estimator=gae",
                   f"critic.model.path={path}", "critic.ppo_micro_batch_size_per_gpu=4"], tmp)
