@@ -366,6 +366,11 @@ class Trainer:
 
     def _apply_kl_guard(self, metrics):
         kl = metrics.get("actor/kl_loss", metrics.get("actor/reward_kl_penalty"))
+        if not self.cfg.actor_rollout_ref.actor.use_kl_loss and self.kl_ctrl is not None:
+            # compose: the guard's rules act on the controller's value as it stands after this
+            # step's update (an adaptive controller moves it; writing back the guard's own stale
+            # copy would freeze the controller)
+            self.kl_guard.coef = self.kl_ctrl.value
         out = self.kl_guard.update(kl, metrics.get("actor/entropy"))
         if self.cfg.actor_rollout_ref.actor.use_kl_loss:
             self.kl_loss_coef = self.kl_guard.coef

@@ -69,3 +69,57 @@ def test_estimators_live_in_kernels():
     import kernels.kl
     assert kl_penalty is kernels.kl.kl_penalty
     assert kl_module.linear_full_kl is kernels.kl.linear_full_kl
+
+
+# -- the adaptive controller and the KL guard together, through the real trainer ---------------
+
+def _kl_steps(tmp, guard_overrides, steps=3):
+    """Three PPO steps with the in-reward KL on an adaptive controller and the KL guard on."""
+    from engine.config import load_config
+    from engine.train import build
+    from engine.trainer import Trainer, set_seed
+    demo = __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "recipes",
+                                      "tiny_cpu_demo.yaml")
+    cfg = load_config(demo, [
+        "trainer.n_gpus_per_node=1", "trainer.logger=[]", "trainer.resume_mode=disable",
+        "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp}/ckpt",
+        f"trainer.log_dir={tmp}/logs", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=40",
+        "algorithm.kl_guard.enable=true", *guard_overrides])
+    set_seed(cfg.trainer.seed)
+    t = Trainer(*build(cfg, 1))
+    out = []
+    for _ in range(steps):
+        m = t.train_step(t.loader.next_batch())
+        t.step_count += 1
+        out.append({k: m[k] for k in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+                                      "kl_guard/kl_coef", "kl_guard/action")})
+    t.hybrid.to_training()
+    t.rollout.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("guard,factor", [
+    # the guard never acts: the controller alone moves beta
+    (["algorithm.kl_guard.kl_ceiling=1e9", "algorithm.kl_guard.entropy_floor=0"], 1.0),
+    # the guard lowers beta every step (entropy is always below the floor): on top of the controller
+    (["algorithm.kl_guard.kl_ceiling=1e9", "algorithm.kl_guard.entropy_floor=1e9",
+      "algorithm.kl_guard.lower_factor=0.5", "algorithm.kl_guard.warn_range=[0,100]"], 0.5),
+])
+def test_the_kl_guard_composes_with_the_adaptive_controller(tmp_path, guard, factor):
+    """beta_{k+1} = rule(beta_k, KL_k) x (the guard's factor when it acted): the controller's
+    update is not overwritten by the guard's own copy of the coefficient (that froze beta)."""
+    from tests.multirank import run_on_ranks
+    steps = run_on_ranks(_kl_steps, 1, str(tmp_path), guard)[0]
+    beta = 0.05
+    for s in steps:
+        assert s["actor/reward_kl_penalty_coeff"] == pytest.approx(beta, rel=1e-6)  # float32
+        beta = _rule(beta, s["actor/reward_kl_penalty"], 0.01, 8, 40) * factor  # 4 prompts x 2
+        assert s["kl_guard/action"] == (-1 if factor != 1.0 else 0)
+        assert s["kl_guard/kl_coef"] == pytest.approx(beta, rel=1e-9)
+    assert steps[-1]["actor/reward_kl_penalty_coeff"] != pytest.approx(0.05, rel=1e-3)

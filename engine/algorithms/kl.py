@@ -14,7 +14,9 @@ Both expose `.value`, `update(current_kl, n_steps)`, `state_dict()` / `load_stat
 `KLGuard` (`algorithm.kl_guard`) automates the users' runbook on whichever KL coefficient the
 run uses (the KL loss's, else the in-reward controller's): KL above `kl_ceiling` raises it by
 `raise_factor`, entropy below `entropy_floor` lowers it by `lower_factor`, and a warning goes
-out when it leaves `warn_range`. Its coefficient is trainer state, saved and restored.
+out when it leaves `warn_range`. Its coefficient is trainer state, saved and restored. On the
+in-reward coefficient it composes with the controller: each step the controller updates beta,
+then the guard's factor (if a rule fired) multiplies that value.
 """
 import logging
 
