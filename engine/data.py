@@ -180,6 +180,18 @@ def _is_rows(data):
     return isinstance(data, (list, tuple)) and (not data or isinstance(data[0], dict))
 
 
+def pad_token_id(tokenizer) -> int:
+    """The run's pad id, decided here once: the tokenizer's pad token, else its eos token (many
+    base models ship no pad token; padding never reaches a loss: the masks exclude it)."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has neither a pad token nor an eos "
+                     "token; add one to its tokenizer_config.json (or set actor_rollout_ref.model.tokenizer_path "
+                     "to a tokenizer that has one)")
+
+
 def left_pad(sequences, pad_token_id, length=None):
     """(input_ids [B, T], attention_mask [B, T]) with each sequence right-aligned (left padding)."""
     length = length or max((len(s) for s in sequences), default=0)

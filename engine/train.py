@@ -167,6 +167,7 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     """Every component of a run, on this rank, from a validated config (`prepared`: what
     `prepare(cfg, world_size)` returned, computed here when not given; `bridge`: to a separate
     rollout pool)."""
+    from engine.data import pad_token_id
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
@@ -180,7 +181,7 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     arr = cfg.actor_rollout_ref
     init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
     steps = cfg.trainer.total_training_steps
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     response_length = arr.rollout.response_length
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
@@ -269,7 +270,8 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, **record)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    from engine.data import pad_token_id
+    pad = pad_token_id(tokenizer)
     out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
     if r.name == "hf":  # on the GPU in the actor's dtype
         from engine.workers.base import DTYPES

@@ -23,7 +23,7 @@ from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
 from engine.checkpoint_state import reseed_rng
-from engine.data import PromptLoader
+from engine.data import PromptLoader, pad_token_id
 from engine.experience import Pool
 from engine.experience_sources import build_experience
 from engine.guards import StepGuard
@@ -84,7 +84,7 @@ class Trainer:
                                     experiment=cfg.trainer.experiment_name,
                                     total_steps=self.total_steps, rank=self.rank,
                                     config=dataclasses.asdict(cfg))
-        self.pad_id = self.tokenizer.pad_token_id
+        self.pad_id = pad_token_id(self.tokenizer)  # decided once (engine.data), as the workers' and engines'
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
         plan = derived.actor

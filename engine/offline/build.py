@@ -5,6 +5,7 @@ The trained model is `actor_rollout_ref.model` with the actor's optim / megatron
 keys (micro-batch sizes count pairs); a reward model gets the scalar head (a sequence-
 classification checkpoint's `score.weight` when the path has one, else a fresh head).
 """
+from engine.data import pad_token_id
 from engine.offline.data import PreferenceDataset, arith_pairs
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
@@ -49,7 +50,7 @@ def build_offline(cfg, world_size):
                     num_experts=spec.num_experts or 0,
                     num_attention_heads=hf_config.num_attention_heads)
     steps = cfg.trainer.total_training_steps
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     ref = None
     if cfg.trainer.task == "reward_model":
         model = RewardModelTrainWorker(hf_config, arr.actor, arr.model, total_steps=steps,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from engine.data import pad_token_id
 from engine.metrics import MetricsLogger, Timer, compute_throughput_metrics
 from engine.offline.data import PairLoader, pair_batch
 from engine.offline.losses import bradley_terry_loss, dpo_loss
@@ -28,8 +29,7 @@ class OfflineTrainer:
         self.cfg = cfg = derived.config
         self.tokenizer, self.hf_config, self.model = tokenizer, hf_config, model
         self.train_data, self.val_data, self.checkpoints = train_data, val_data, checkpoints
-        self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                       else tokenizer.eos_token_id)
+        self.pad_id = pad_token_id(tokenizer)
         self.loader = PairLoader(train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                  seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         self.mini_pairs = derived.actor.mini_batch_size_per_rank
