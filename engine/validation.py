@@ -48,12 +48,15 @@ def _gather(sums):
 
 def validate_from(responses, val_data, tokenizer, reward_fn, eos_ids):
     """The same metrics from responses generated elsewhere (a separate rollout pool hands them to
-    training rank 0; None on the other ranks); collective over the training ranks."""
+    training rank 0: per prompt, the list of its val_kwargs.n responses; None on the other
+    ranks); collective over the training ranks."""
     sums = defaultdict(lambda: [0.0, 0])
     if responses is not None:
-        texts = tokenizer.batch_decode([r[:-1] if r and r[-1] in eos_ids else r for r in responses],
+        owners = [i for i, group in enumerate(responses) for _ in group]  # prompt of each response
+        flat = [r for group in responses for r in group]
+        texts = tokenizer.batch_decode([r[:-1] if r and r[-1] in eos_ids else r for r in flat],
                                        skip_special_tokens=reward_fn.skip_special_tokens)
-        for i, text in enumerate(texts):
+        for i, text in zip(owners, texts):
             row = val_data[i]
             s = reward_fn.score_texts([text], [row["ground_truth"]], [row["data_source"]])[0]
             sums[row["data_source"]][0] += float(s["score"] if isinstance(s, dict) else s)

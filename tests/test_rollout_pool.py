@@ -141,3 +141,28 @@ def test_a_worker_that_never_joins_is_named_with_the_address_and_the_wait():
     address, port = sender_address()
     with pytest.raises(RuntimeError, match=rf"trident-weights-0: waited 2 s at {address}:{port} for 1 SGLang"):
         open_as_sender(address, port, 2, "trident-weights-0", "gloo", timeout_s=2)
+
+
+# a score that depends on which prompt's ground truth a response is paired with, and on the text
+PAIRING_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return ((31 * sum(map(ord, solution_str)) + sum(map(ord, str(ground_truth)))) % 97) / 97.0
+'''
+
+
+def test_pool_validation_with_several_samples_per_prompt_scores_them_against_their_prompt(tmp_path):
+    """val_kwargs.n=3 sampled: the pool's validation gives the colocated run's scores (each
+    response scored against its own prompt's ground truth, n per prompt counted)."""
+    (tmp_path / "reward.py").write_text(PAIRING_REWARD)
+    v = "actor_rollout_ref.rollout.val_kwargs"
+    val = ["trainer.test_freq=1", "trainer.val_before_train=true", f"{v}.n=3", f"{v}.do_sample=true",
+           f"{v}.temperature=1.0",
+           f"custom_reward_function.path={tmp_path}/reward.py", "data.val_batch_size=null"]
+    colocated = _run(tmp_path, "val_colocated", 2, val, steps=1)
+    pool = _run(tmp_path, "val_pool", 4, POOL + val, steps=1)
+    a = [r for r in colocated if "val/score/mean" in r]
+    b = [r for r in pool if "val/score/mean" in r]
+    assert len(a) == len(b) == 2  # before training and after step 1
+    for x, y in zip(a, b):
+        assert x["val/score/mean"] == pytest.approx(y["val/score/mean"], rel=1e-9), (x, y)
+    assert len({round(r["val/score/mean"], 9) for r in a}) == 2  # the update moved the responses

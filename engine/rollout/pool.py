@@ -181,7 +181,8 @@ class PoolClient:
         return box[0]
 
     def validate(self, prompt_ids, sampling):
-        """Greedy responses for the validation prompts (training rank 0 gets them all)."""
+        """The validation prompts' responses, `sampling.n` per prompt in prompt order (a list of
+        lists; training rank 0 gets them all, the other ranks None)."""
         if self.rank != 0:
             return None
         for p in self.pool:
@@ -252,7 +253,8 @@ def serve(bridge, group, T, generate):
             mine, out = group.generate_split(msg["prompts"], list(range(len(msg["prompts"]))),
                                              msg["sampling"], generate=generate)
             if group.is_leader:  # every leader answers, with nothing if its share was empty
-                bridge.send({} if out is None else {i: out.responses[k] for k, i in enumerate(mine)}, 0)
+                n = msg["sampling"].n  # the engine returns n responses per prompt, prompt-major
+                bridge.send({} if out is None else {i: out.responses[k * n:(k + 1) * n] for k, i in enumerate(mine)}, 0)
             continue
         # generate: this group's share, then each training replica's part to its relay
         mine, out = group.generate_split(msg["prompts"], msg["keys"], msg["sampling"], generate=generate)
