@@ -27,6 +27,7 @@ RUNS = {"sync": ("actor", False), "reward": ("reward_model", False), "old_log_pr
         "ref": ("ref", False), "values": ("critic", False), "critic_update": ("critic", True),
         "actor_update": ("actor", True)}
 ROLLOUT_PHASES = ("sync", "generate", "validate")
+OFFLOAD_SWITCH = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
 SAVED = ("actor", "critic")  # what a checkpoint holds: every state of these is read while saving
 SYNC_ORDER = ("offload training grads and optimizer state", "resume rollout weights", "send weights",
               "offload actor params (param_offload)", "resume rollout KV cache")
@@ -73,7 +74,8 @@ def phase_schedule(cfg, use_critic: bool, use_reference: bool) -> PhaseSchedule:
         sections["reward_model"] = (cfg.reward_model.megatron, ("params",))
     models, offloaded = {}, {}
     for name, (m, states) in sections.items():
-        switches = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
         models[name] = tuple(states)
-        offloaded[name] = frozenset(s for s in states if switches[s])
+        # only the switches of the states the model has (a frozen model's grad / optimizer
+        # switches are refused by validation, never read here)
+        offloaded[name] = frozenset(s for s in states if getattr(m, OFFLOAD_SWITCH[s]))
     return PhaseSchedule(models, offloaded, keep_rollout=not arr.rollout.free_cache_engine)

@@ -157,11 +157,11 @@ class MegatronConfig:
     optimizer_offload: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    tp_comm_overlap: bool = False
+    tp_comm_overlap: bool = False  # refused when true: needs TransformerEngine userbuffers
     recompute_granularity: Optional[RecomputeGranularity] = None
     recompute_method: Optional[RecomputeMethod] = None
     recompute_num_layers: Optional[int] = None
-    seed: int = 42
+    seed: int = 42  # the actor's seeds the process (ref / critic / reward model: only 42)
     params_dtype: Optional[ParamsDtype] = "bfloat16"  # ref / critic / reward model: null = the actor's
     # Megatron's kernel fusions by name (engine/models/builder.py FUSIONS): absent = on where the
     # installed TE / apex support it on a GPU (always off on CPU), true = required, false = off

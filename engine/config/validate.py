@@ -32,6 +32,7 @@ def validate(cfg: TridentConfig) -> None:
     ref = arr.ref
     _check(ref, "actor_rollout_ref.ref", "log_prob_micro_batch_size_per_gpu", ge=1, optional=True)
     _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
+    _validate_frozen(ref.megatron, "actor_rollout_ref.ref.megatron")  # first: its keys before their ranges
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
     _validate_lora(cfg)
@@ -98,12 +99,37 @@ def _validate_megatron(m: MegatronConfig, prefix: str, is_actor: bool) -> None:
         if name != "sequence_parallel":
             _check(m, prefix, name, ge=1, optional=True)
     _check(m, prefix, "recompute_num_layers", ge=1, optional=True)
+    if m.tp_comm_overlap:
+        _fail(f"{prefix}.tp_comm_overlap", True, "needs TransformerEngine userbuffers, which Trident does not "
+              "initialise; set it to false (overlap_grad_reduce / overlap_param_gather overlap DP communication)")
+    if not is_actor and m.seed != MegatronConfig().seed:
+        _fail(f"{prefix}.seed", m.seed, "one process seeds every model it builds (a random init draws "
+              "after the actor's); set actor_rollout_ref.actor.megatron.seed instead and remove this")
     if m.recompute_granularity == "full" and m.recompute_method is None:
         _fail(f"{prefix}.recompute_method", None, "recompute_granularity='full' needs a method: set "
               "'uniform' or 'block' (and recompute_num_layers)")
     if m.recompute_granularity != "full" and m.recompute_method is not None:
         _fail(f"{prefix}.recompute_method", m.recompute_method,
               f"only used with recompute_granularity='full' (it is {m.recompute_granularity!r}); set it to null")
+
+
+# Keys of a trained model that a frozen one (reference, reward model) has nothing to act on:
+# no gradients, no optimizer, no backward pass to recompute for.
+FROZEN_REFUSED = {"grad_offload": "it has no gradients", "optimizer_offload": "it has no optimizer",
+                  "overlap_grad_reduce": "it reduces no gradients",
+                  "overlap_param_gather": "it has no distributed optimizer to gather from",
+                  "use_distributed_optimizer": "it has no optimizer",
+                  "recompute_granularity": "it runs forward passes only (nothing to recompute)",
+                  "recompute_method": "it runs forward passes only (nothing to recompute)",
+                  "recompute_num_layers": "it runs forward passes only (nothing to recompute)"}
+
+
+def _validate_frozen(m: MegatronConfig, prefix: str) -> None:
+    default = MegatronConfig()
+    for name, why in FROZEN_REFUSED.items():
+        if getattr(m, name) != getattr(default, name):
+            _fail(f"{prefix}.{name}", getattr(m, name), f"the model is frozen and {why}; remove it "
+                  f"(param_offload is what a frozen model offloads)")
 
 
 def _validate_actor(cfg: TridentConfig) -> None:
@@ -188,6 +214,9 @@ def _validate_critic(cfg: TridentConfig) -> None:
         _fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
               "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
     _validate_model(c.model, "critic.model", cfg.data, required=False)
+    if not c.model.use_fused_kernels:
+        _fail("critic.model.use_fused_kernels", False, "the critic computes values, no log-probs, so there is no "
+              "fused kernel to turn off; remove it")
     _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
     _check(c, p, "ppo_epochs", ge=1, optional=True)
     _check(c, p, "cliprange_value", gt=0.0)
@@ -219,6 +248,10 @@ def _validate_lora(cfg: TridentConfig) -> None:
         if model.lora_rank != 0:
             _fail(f"{section}.lora_rank", model.lora_rank, "LoRA is implemented for the actor only "
                   f"({p}.lora_rank); set it to 0")
+        for name in ("lora_alpha", "target_modules"):
+            if getattr(model, name) != getattr(ModelConfig(), name):
+                _fail(f"{section}.{name}", getattr(model, name), "LoRA is implemented for the actor only "
+                      f"({p}.{name}); remove it")
 
 
 def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
@@ -227,7 +260,11 @@ def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: i
     _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
     _check(rm.overlong_buffer, f"{p}.overlong_buffer", "len", ge=0)
     _check(rm.overlong_buffer, f"{p}.overlong_buffer", "penalty_factor", ge=0.0)
+    _validate_frozen(rm.megatron, f"{p}.megatron")
     _validate_megatron(rm.megatron, f"{p}.megatron", is_actor=False)
+    if rm.token_level != "implicit" and not rm.model.use_fused_kernels:  # a value head: no log-probs
+        _fail(f"{p}.model.use_fused_kernels", False, "a scalar-head reward model computes no log-probs, so "
+              "there is no fused kernel to turn off; remove it (it acts with token_level=implicit)")
     from engine.rewards.sandbox import config_from
     try:
         config_from(rm.sandbox)
@@ -243,6 +280,9 @@ def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: i
     if rm.reward_manager == "batch" and custom.path is None:
         _fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
               "set custom_reward_function.path (and .name), or use reward_manager=naive")
+    if rm.model.config is not None:
+        _fail(f"{p}.model.config", "{...}", "a reward model is loaded from reward_model.model.path (its trained "
+              "weights), never built at random; remove it (use reward_model.model.override_config to change it)")
     if rm.enable and rm.model.path is None:
         _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
               "set it, or set reward_model.enable=false to use rule rewards")
@@ -265,6 +305,9 @@ def _validate_algorithm(cfg: TridentConfig) -> None:
     w = a.kl_guard.warn_range
     if len(w) != 2 or not 0 <= w[0] <= w[1]:
         _fail(f"{g}.warn_range", w, "must be [low, high] with 0 <= low <= high, e.g. [0.0005, 0.01]")
+    if a.kl_guard.enable and not (cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward):
+        _fail(f"{g}.enable", True, "the guard moves the KL coefficient, but there is no KL term (actor.use_kl_loss "
+              "and algorithm.use_kl_in_reward are false); turn one on or set kl_guard.enable=false")
     n = cfg.actor_rollout_ref.rollout.n
     if a.adv_estimator in GROUP_ESTIMATORS and n < 2:
         _fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "
