@@ -66,7 +66,9 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps
         self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
-        self.replica_group = None
+        # the ranks sharing this DP index (TP x PP x CP) hold the same data: rewards are scored
+        # once per replica, on its first rank, and broadcast in this group
+        self.replicas, self.replica_group = self._replica_groups()
         if c.bridge is not None:  # a separate rollout pool
             self.experience = self._pool(c.bridge, derived)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
@@ -266,10 +268,47 @@ class Trainer:
         return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
                               raw_chat=self.cfg.data.return_raw_chat)
 
+    def _replica_groups(self):
+        """(global ranks of each DP replica, this replica's gloo group or None when it is one rank);
+        collective over all ranks."""
+        from engine.rollout.topology import replicas_of
+        every = [None] * self.world
+        dist.all_gather_object(every, self.dp_rank)
+        replicas, mine = replicas_of(every), None
+        for ranks in replicas:
+            group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
+            if self.rank in ranks:
+                mine = group
+        return replicas, mine
+
     def compute_scores(self, batch):
-        """Rule rewards by data_source, plus the reward model's score when one is enabled."""
+        """Rule rewards by data_source, plus the reward model's score when one is enabled.
+
+        The replica's first rank scores (a rule, custom function or sandbox runs once per sample,
+        and a non-deterministic one cannot give ranks holding the same data different rewards);
+        the others receive its result. The reward model's forward runs on every rank (it is
+        model-parallel itself) and gives them the same scores."""
         # [B] scores, or [B, R] token rewards (reward_model.token_level=implicit)
         model_scores = self.reward_model.scores_for(self, batch) if self.reward_model else None
+        if self.replica_group is None:
+            return self._score(batch, model_scores)
+        leader = self.replicas[self.dp_rank][0]
+        box = [None]
+        if self.rank == leader:
+            try:
+                scores, extra = self._score(batch, model_scores)
+                box = [("ok", scores.cpu(), extra)]
+            except Exception as e:  # the others must not wait for a result that never comes
+                box = [("error", f"{type(e).__name__}: {e}", None)]
+                dist.broadcast_object_list(box, src=leader, group=self.replica_group)
+                raise
+        dist.broadcast_object_list(box, src=leader, group=self.replica_group)
+        kind, scores, extra = box[0]
+        if kind == "error":
+            raise RuntimeError(f"reward scoring failed on rank {leader} (this replica's scorer): {scores}")
+        return scores.to(batch["responses"].device), extra
+
+    def _score(self, batch, model_scores):
         extra_infos = list(batch["extra_info"])
         if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
             extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
@@ -382,14 +421,7 @@ class Trainer:
     def _pool(self, bridge, derived):
         """The training end of a separate rollout pool (engine/rollout/pool.py)."""
         from engine.rollout.pool import PoolClient, pool_ranks
-        from engine.rollout.topology import replicas_of
-        every = [None] * self.world
-        dist.all_gather_object(every, self.dp_rank)
-        replicas = replicas_of(every)
-        for ranks in replicas:
-            group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
-            if self.rank in ranks:
-                self.replica_group = group
+        replicas = self.replicas
         t = self.cfg.trainer
         train, pool = pool_ranks(self.world + t.rollout_pool_ranks, t.rollout_pool_ranks)
         from engine.rollout.registry import backend_class
