@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -94,6 +96,15 @@ def _return_freed_memory_to_os():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@functools.lru_cache(maxsize=None)
+def cache_argument(model_class) -> str:
+    """The forward's KV-cache argument: `cache` in newer transformers (5.24 here; it still maps
+    `past_key_values` with a deprecation warning), `past_key_values` in older ones (5.17, the
+    GPU machine's), which have no `cache` parameter."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _preallocated_cache(config, capacity: int):
@@ -271,8 +282,10 @@ class CPURollout(RolloutEngine):
 
     # -------------------------------------------------------------- generation
     def _forward(self, input_ids, attention_mask, position_ids, cache):
+        # the cache under the name this transformers takes: an unknown name lands in **kwargs and
+        # is ignored, and every decoded token would then be read without its context
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, use_cache=True, logits_to_keep=1)
+                         **{cache_argument(type(self.model)): cache}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     @staticmethod
