@@ -1,72 +1,139 @@
 """MoE routing replay (actor.router_replay): the training forward routes every token the rollout
-ran to the experts the rollout chose, even when the training router would pick others."""
+ran to the experts the rollout chose, even when the training router would pick others.
+
+The reference is the rollout's own record, in SGLang's layout ([positions, num_hidden_layers,
+top_k], a row for every hidden layer; tests/fakes/sglang mirrors sglang/srt/state_capturer/):
+the tiny Qwen2-MoE has a dense first layer (mlp_only_layers=[0]), so MoE layer L must replay
+row L, not its MoE ordinal. Checked at TP 1 and at TP 2 + sequence parallelism (each TP rank's
+routers see their slice of the sequence), packed (THD) and unpacked."""
+import hashlib
+
+import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
 from tests.tiny_models import tiny_config
 
+PROMPTS = [[5, 6, 7], [9, 10]]
+R = 4
 
-def _routes(replay):
+
+def weight_for(name, shape):
+    """Deterministic random weights by name (norms near 1)."""
+    g = torch.Generator().manual_seed(int(hashlib.sha256(name.encode()).hexdigest()[:8], 16))
+    w = torch.randn(shape, generator=g) * 0.2
+    return 1.0 + 0.1 * w if name.endswith("norm.weight") else w
+
+
+def rollout_batch(rollout, prompts, response_length):
+    """Greedy responses of `prompts` as a verl-layout Batch carrying the rollout's routing."""
     from engine.batch import Batch
+    from engine.rollout.base import SamplingParams
+
+    out = rollout.generate(prompts, SamplingParams(n=1, do_sample=False, max_new_tokens=response_length))
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width + response_length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    resp = torch.tensor(out.responses)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):width], mask[r, width - len(p):] = torch.tensor(p), 1
+        ids[r, width:] = resp[r]
+    batch = Batch(dict(input_ids=ids, attention_mask=mask, responses=resp,
+                       response_mask=torch.ones_like(resp)),
+                  non_tensors=dict(routed_experts=out.routed_experts))
+    return batch, out
+
+
+def record_routers(models):
+    """Hook every router: {global layer index: [routing map of each call]} ([tokens, experts],
+    True where a token goes) and the model inputs of each forward [(tokens, cu_seqlens or None)]."""
+    chosen, inputs = {}, []
+    for model in models:
+        model.register_forward_pre_hook(lambda mod, args, kwargs: inputs.append(
+            (args[0].clone(), getattr(kwargs.get("packed_seq_params"), "cu_seqlens_q", None))),
+            with_kwargs=True)
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.register_forward_hook(
+                    lambda mod, inp, outp, L=layer.layer_number - 1: chosen.setdefault(L, []).append(
+                        outp[1].bool().clone()))
+    return chosen, inputs
+
+
+def _routes(replay, layout_kwargs, packed):
+    from megatron.core import parallel_state as ps
+
     from engine.config import ActorConfig, MegatronConfig, ModelConfig
     from engine.hybrid import sync_weights
-    from engine.rollout.base import SamplingParams
     from engine.rollout.cpu import CPURollout
     from engine.workers.actor import ActorWorker
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import load_global, local_shards
 
-    init_mesh(Layout(), seed=1)
+    layout = Layout(**layout_kwargs)
+    init_mesh(layout, seed=1)
     hf = tiny_config("qwen2_moe")
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, router_replay=replay,
-                      megatron=MegatronConfig(params_dtype="float32"))
-    actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=4)
+                      megatron=MegatronConfig(params_dtype="float32",
+                                              sequence_parallel=layout.sequence_parallel))
+    actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=packed), response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
-    load_global(actor.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
     rollout = CPURollout(hf, eos_token_ids=[], pad_token_id=0, record_routing=True)
     sync_weights(actor.chunks, rollout, hf, bucket_megabytes=1)
-    prompts = [[5, 6, 7], [9, 10]]
-    out = rollout.generate(prompts, SamplingParams(n=1, do_sample=False, max_new_tokens=4))
-    rows = len(prompts)
-    ids = torch.zeros(rows, 3 + 4, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    resp = torch.tensor(out.responses)
-    for r, p in enumerate(prompts):
-        ids[r, 3 - len(p):3], mask[r, 3 - len(p):] = torch.tensor(p), 1
-        ids[r, 3:] = resp[r]
-    batch = Batch(dict(input_ids=ids, attention_mask=mask, responses=resp,
-                       response_mask=torch.ones_like(resp)),
-                  non_tensors=dict(routed_experts=out.routed_experts))
+    batch, out = rollout_batch(rollout, PROMPTS, R)
 
     # the training router now disagrees with the rollout's (as after a policy update)
-    chosen = {}
     for layer in actor.models[0].decoder.layers:
-        router = getattr(layer.mlp, "router", None)
-        if router is None:
-            continue
-        with torch.no_grad():
-            router.weight.copy_(-router.weight)
-        router.register_forward_hook(
-            lambda mod, inp, outp, L=layer.layer_number - 1: chosen.__setitem__(
-                L, outp[1].nonzero()[:, 1].view(-1, hf.num_experts_per_tok)))
+        if getattr(layer.mlp, "router", None) is not None:
+            with torch.no_grad():
+                layer.mlp.router.weight.neg_()
+    chosen, inputs = record_routers(actor.models)
     actor.compute_log_prob(batch, micro_batch_size=2)
-    # tokens of the packed micro-batch: row 0 (3 + 4) then row 1 (2 + 4); the rollout ran all
-    # but each row's last token
-    moe_layers = sorted(chosen)
-    agree, total = 0, 0
-    for ordinal, layer in enumerate(moe_layers):
-        starts = [0, 7]
+    tokens, cu = inputs[0]
+    return dict(tp_rank=ps.get_tensor_model_parallel_rank(), routed=out.routed_experts,
+                chosen={L: c[0] for L, c in chosen.items()}, tokens=tokens, cu=cu)
+
+
+def _agreement(results):
+    """(tokens whose replayed experts equal the rollout's, tokens compared), over MoE layers."""
+    ranks = sorted(results, key=lambda r: r["tp_rank"])
+    first = ranks[0]
+    tokens, cu, routed = first["tokens"], first["cu"], first["routed"]
+    b, s = tokens.shape
+    # packed: each sample starts at its cu_seqlens entry (a padding segment may follow them)
+    starts = (cu[:-1].tolist() if cu is not None else [r * s for r in range(b)])[:len(routed)]
+    moe = sorted(first["chosen"])
+    assert moe == [1, 2, 3]  # layer 0 is dense
+    for rec in routed:  # SGLang's layout: a row per hidden layer, the dense one empty (0)
+        assert rec.shape[1:] == (4, 2) and rec.dtype == torch.int32 and not rec[:, 0].any()
+    agree = total = 0
+    for layer in moe:
+        # under SP each TP rank routed its slice of the s-major [s, b] tokens: put them together
+        smajor = torch.cat([r["chosen"][layer] for r in ranks])
+        row_major = smajor.view(s, b, -1).transpose(0, 1).reshape(b * s, -1)
         for r, start in enumerate(starts):
-            rec = out.routed_experts[r][:, ordinal].long().sort(-1).values
-            got = chosen[layer][start:start + rec.shape[0]].sort(-1).values
-            agree += int((rec == got).all(-1).sum())
-            total += rec.shape[0]
+            n = routed[r].shape[0]
+            assert tokens.reshape(-1)[start:start + len(PROMPTS[r])].tolist() == PROMPTS[r]  # sample r
+            want = torch.zeros(n, row_major.shape[1], dtype=torch.bool).scatter_(
+                1, routed[r][:, layer].long(), True)
+            agree += int((row_major[start:start + n] == want).all(-1).sum())
+            total += n
     return agree, total
 
 
-def test_replay_routes_tokens_to_the_rollouts_experts():
-    agree, total = run_on_ranks(_routes, 1, True)[0]
-    assert total > 0 and agree == total
-    agree_off, total_off = run_on_ranks(_routes, 1, False)[0]
-    assert agree_off < total_off  # without replay the perturbed router picks other experts
+LAYOUTS = [("tp1_packed", 1, {}, True), ("tp1_unpacked", 1, {}, False),
+           ("tp2_sp_packed", 2, dict(tp=2, sequence_parallel=True), True),
+           ("tp2_sp_unpacked", 2, dict(tp=2, sequence_parallel=True), False)]
+
+
+@pytest.mark.parametrize("name,world,layout,packed", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_replay_routes_tokens_to_the_rollouts_experts(name, world, layout, packed):
+    agree, total = _agreement(run_on_ranks(_routes, world, True, layout, packed))
+    assert total == 3 * sum(len(p) + R - 1 for p in PROMPTS) and agree == total
+
+
+def test_without_replay_the_perturbed_router_picks_other_experts():
+    agree, total = _agreement(run_on_ranks(_routes, 1, False, {}, True))
+    assert agree < total

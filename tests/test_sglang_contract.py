@@ -136,6 +136,7 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
                  for k in used_api["memory_tags"] if k not in constants]
     problems += success_problems(src, used_api["returns_success"])
     problems += update_group_problems(src, used_api["update_group"])
+    problems += fragment_problems(src, used_api["routed_experts"])
     engine_strings = {n.value for n in ast.walk(src.tree(ENGINE))
                       if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"environment variable {k!r} is never read by the engine"
@@ -183,6 +184,17 @@ def update_group_problems(src: SglangSource, functions: dict) -> list:
     return problems
 
 
+def fragment_problems(src: SglangSource, functions: dict) -> list:
+    """"file:Class.function" -> source fragments its unparsed body must contain (a shape rule)."""
+    problems = []
+    for where, fragments in functions.items():
+        path, qualname = where.split(":")
+        node = _function(src, path, qualname)
+        text = ast.unparse(node) if node is not None else ""
+        problems += [f"{where} no longer has {f!r}" for f in fragments if f not in text]
+    return problems
+
+
 def module_names(src: SglangSource, module: str):
     """Top-level names a module defines or imports (None when the module is not in the wheel)."""
     base = module.replace(".", "/")
@@ -227,6 +239,7 @@ def test_checker_catches_wrong_names(source):
     broken["returns_success"].append("flush_cache")  # sglang's flush_cache answers otherwise
     broken["update_group"]["sglang/srt/utils/common.py:init_custom_process_group"].append("HashStore")
     broken["update_group"]["sglang/srt/utils/common.py:init_update_group"] = []
+    broken["routed_experts"]["sglang/srt/state_capturer/base.py:BaseTopkCapturer.get_topk"] = ["[start_len:seqlen]"]
     problems = contract_problems(source, broken)
     assert problems == ["Engine.generate has no parameter 'return_log_prob'",
                         "Engine.update_weights_from_tensors does not exist",
@@ -240,6 +253,8 @@ def test_checker_catches_wrong_names(source):
                         "Engine.flush_cache does not answer (success, message)",
                         "sglang/srt/utils/common.py:init_custom_process_group no longer uses 'HashStore'",
                         "sglang/srt/utils/common.py:init_update_group does not exist",
+                        "sglang/srt/state_capturer/base.py:BaseTopkCapturer.get_topk no longer has "
+                        "'[start_len:seqlen]'",
                         "environment variable 'SGLANG_BLOCK_NONZERO_CHILDREN' is never read by the engine"]
 
 
@@ -278,6 +293,10 @@ def test_adapter_builds_exactly_the_declared_arguments():
     tokens, logps, finish, routed = parse_result(result, prompt_len=3, routing_top_k=2)
     assert (tokens, logps, finish) == ([11, 2], [-0.5, -1.5], "stop")
     assert routed.shape == (4, 3, 2) and routed.flatten().tolist() == routing.tolist()
+    # one row per hidden layer (dense ones included): a model of another depth is refused
+    assert parse_result(result, prompt_len=3, routing_top_k=2, routing_layers=3)[3].shape == (4, 3, 2)
+    with pytest.raises(ValueError, match="4 hidden layers"):
+        parse_result(result, prompt_len=3, routing_top_k=2, routing_layers=4)
 
 
 def test_update_group_sender_uses_torch_names_that_exist():

@@ -65,10 +65,11 @@ class RolloutOutput:
     top-p filtering (what SGLang reports); greedy rows use temperature 1.
 
     ``routed_experts`` (only when routing was recorded, MoE models): one int32 tensor per
-    row of shape ``[prompt_len + response_len - 1, num_moe_layers, top_k]``: the experts
+    row of shape ``[prompt_len + response_len - 1, num_hidden_layers, top_k]``: the experts
     chosen at every position the model was run on, prompt tokens first, then every
-    response token except the last (which is sampled, never fed back). This is SGLang's
-    ``return_routed_experts`` layout, so training can replay either backend's routing.
+    response token except the last (which is sampled, never fed back); one row per hidden
+    layer, 0 for dense layers. This is SGLang's ``return_routed_experts`` layout, so training
+    can replay either backend's routing (engine/workers/routing.py picks the MoE layers' rows).
     """
     prompt_index: list[int]
     responses: list[list[int]]

@@ -191,7 +191,7 @@ class CPURollout(RolloutEngine):
         self._weights_ready = False
 
         self.record_routing = record_routing
-        self._routers = self._find_routers() if record_routing else []
+        self._routers = self._find_routers() if record_routing else {}
 
     # ----------------------------------------------------------------- weights
     def checkpoint_names(self) -> list[str]:
@@ -249,10 +249,16 @@ class CPURollout(RolloutEngine):
             self._allocated = True
 
     # ----------------------------------------------------------------- routing
-    def _find_routers(self) -> list[nn.Module]:
-        # transformers 5 routers (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) are *TopKRouter modules
-        # returning (logits, weights, expert indices)
-        routers = [m for m in self.model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    def _find_routers(self) -> dict[int, nn.Module]:
+        """{decoder layer index: its router}. transformers 5 routers (Qwen2-MoE, Qwen3-MoE,
+        Mixtral, ...) are *TopKRouter modules returning (logits, weights, expert indices)."""
+        routers = {}
+        for name, module in self.model.named_modules():
+            if type(module).__name__.lower().endswith("topkrouter"):
+                found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+                if found is None:
+                    raise ValueError(f"record_routing: router {name!r} is not inside a decoder layer (layers.<i>)")
+                routers[int(found.group(1))] = module
         if not routers:
             raise ValueError(f"record_routing=True needs a MoE model with top-k router modules; "
                              f"{type(self.model).__name__} has none: set record_routing=False")
@@ -260,20 +266,27 @@ class CPURollout(RolloutEngine):
 
     @contextlib.contextmanager
     def _recording(self, steps: list):
-        """Hook the routers; each ``record(rows, seq)`` call appends the experts chosen in
-        the last forward to ``steps`` as one [rows, seq, layers, top_k] int32 tensor."""
-        per_layer: list[torch.Tensor] = []
+        """Hook the routers; each ``record(rows, seq)`` call appends the experts chosen in the
+        last forward to ``steps`` as one [rows, seq, num_hidden_layers, top_k] int32 tensor.
+        Like SGLang's capture buffer (sglang/srt/state_capturer/routed_experts.py: one row per
+        hidden layer, written by MoE layers at their layer id), dense layers' rows stay 0."""
+        per_layer: dict[int, torch.Tensor] = {}
+        layers = int(self.model.config.num_hidden_layers)
 
-        def hook(module, args, output):
+        def hook(layer, module, args, output):
             if not (isinstance(output, tuple) and not output[-1].is_floating_point()):
                 raise ValueError(f"record_routing: {type(module).__name__} does not return expert indices last")
-            per_layer.append(output[-1])
+            per_layer[layer] = output[-1]
 
         def record(rows: int, seq: int):
-            steps.append(torch.stack([t.reshape(rows, seq, -1) for t in per_layer], dim=2).to(torch.int32))
+            top_k = next(iter(per_layer.values())).shape[-1]
+            out = torch.zeros(rows, seq, layers, top_k, dtype=torch.int32)
+            for layer, chosen in per_layer.items():
+                out[:, :, layer] = chosen.reshape(rows, seq, top_k).to(device="cpu", dtype=torch.int32)
+            steps.append(out)
             per_layer.clear()
 
-        handles = [r.register_forward_hook(hook) for r in self._routers]
+        handles = [r.register_forward_hook(lambda m, a, o, i=i: hook(i, m, a, o)) for i, r in self._routers.items()]
         try:
             yield record
         finally:
@@ -385,7 +398,7 @@ class CPURollout(RolloutEngine):
         finish = [FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
         routed = None
         if self.record_routing:
-            every_position = torch.cat(routing_steps, dim=1).cpu()  # [rows, width + steps, layers, top_k]
+            every_position = torch.cat(routing_steps, dim=1)  # [rows, width + steps, hidden layers, top_k]
             routed = [every_position[r, width - int(prompt_lens[r]): width + len(responses[r]) - 1].clone()
                       for r in range(rows)]
         return RolloutOutput(prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],

@@ -76,6 +76,19 @@ USED_API = {
         "sglang/srt/model_executor/model_runner_components/weight_updater.py:WeightUpdater.receive_weights_from_distributed":
             ["broadcast", "empty"],
     },
+    # the routed-experts shape rule (meta_info["routed_experts"], parse_result): "file:Class.function"
+    # -> source fragments it must contain: [tokens, num_hidden_layers, top_k] int32, zeros where no
+    # MoE layer writes (dense layers), written at the decoder layer id, positions [start, seqlen - 1)
+    "routed_experts": {
+        "sglang/srt/state_capturer/routed_experts.py:RoutedExpertsCapturer.__init__":
+            ["hf_text_config.num_hidden_layers", "hf_text_config.num_experts_per_tok"],
+        "sglang/srt/state_capturer/base.py:BaseDeviceCache.__init__":
+            ["torch.zeros((max_batch_size, num_layers, topk_size), dtype=torch.int32"],
+        "sglang/srt/state_capturer/base.py:BaseDeviceCache.capture": ["self.buffer[:batch, layer_id, :]"],
+        "sglang/srt/state_capturer/base.py:BaseTopkCapturer.get_topk": ["[start_len:seqlen - 1]"],
+        "sglang/srt/managers/detokenizer_manager.py:DetokenizerManager._b64_encode_per_request":
+            ["b64encode(item.numpy().tobytes())"],
+    },
     # environment read by Engine: "0" lets a multi-node engine's node_rank >= 1 return
     "env": ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"],
 }
@@ -116,11 +129,15 @@ def sampling_dict(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> dic
     return params
 
 
-def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = None):
+def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = None,
+                 routing_layers: Optional[int] = None):
     """One sglang result -> (tokens, log-probs, finish reason, routed experts or None).
 
-    ``routing_top_k`` (experts per token) is given when routing was recorded: sglang sends it
-    base64-encoded int32, flat over [positions, layers, top_k].
+    ``routing_top_k`` (experts per token) is given when routing was recorded. sglang sends it
+    base64-encoded int32, flat over [positions, num_hidden_layers, top_k]
+    (sglang/srt/state_capturer/: one row per hidden layer, dense layers' rows 0; positions
+    [0, prompt + response - 1) from BaseTopkCapturer.get_topk). ``routing_layers``: the model's
+    num_hidden_layers, checked when given.
     """
     meta = result["meta_info"]
     # (logprob, token_id, text) per generated token: ids and log-probs stay aligned
@@ -134,7 +151,12 @@ def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = N
     if routing_top_k is not None:
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).copy()
         positions = prompt_len + len(tokens) - 1  # the layout of RolloutOutput.routed_experts
-        routed = torch.from_numpy(flat).reshape(positions, -1, routing_top_k)
+        layers = routing_layers or flat.size // max(positions * routing_top_k, 1)
+        if flat.size != positions * layers * routing_top_k:
+            raise ValueError(f"routed_experts: {flat.size} ids, expected {positions} positions x {layers} "
+                             f"hidden layers x top-{routing_top_k} (prompt {prompt_len} + {len(tokens)} "
+                             f"tokens - 1); is the engine's model the training model?")
+        routed = torch.from_numpy(flat).reshape(positions, layers, routing_top_k)
     return tokens, logps, finish, routed
 
 
@@ -167,6 +189,7 @@ class SGLangRollout(RolloutEngine):
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.record_routing = record_routing
         self.routing_top_k = getattr(hf_config, "num_experts_per_tok", None) if record_routing else None
+        self.routing_layers = getattr(hf_config, "num_hidden_layers", None)
         if record_routing and self.routing_top_k is None:
             raise ValueError("record_routing=True needs a MoE hf_config with num_experts_per_tok; "
                              "set record_routing=False for dense models")
@@ -252,7 +275,7 @@ class SGLangRollout(RolloutEngine):
                                        return_logprob=True, return_routed_experts=self.record_routing)
         # sglang returns prompt-major order: all n samples of prompt 0, then prompt 1, ...
         prompt_index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
-        parsed = [parse_result(r, len(prompts[i]), self.routing_top_k)
+        parsed = [parse_result(r, len(prompts[i]), self.routing_top_k, self.routing_layers)
                   for r, i in zip(results, prompt_index)]
         return RolloutOutput(prompt_index=prompt_index, responses=[p[0] for p in parsed],
                              log_probs=[p[1] for p in parsed], finish_reasons=[p[2] for p in parsed],

@@ -22,6 +22,7 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch
 from engine.models.builder import build_model
+from engine.workers.routing import replay_in_backward, replay_routing, set_replay, start_replay
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
 from parallel.packing import (cp_all_gather, cp_gather, cp_index, cp_localize, pack, round_up,
                               row_bounds)
@@ -41,7 +42,7 @@ class MicroBatch:
     response_lengths: List[int]   # per row, valid response tokens
     response_width: int           # R of the batch (response_mask.shape[1])
     last_tokens: torch.Tensor     # flat index of each row's last valid token (unsplit row)
-    routing: Optional[list] = None  # per MoE layer [tokens, topk] experts to replay (router_replay)
+    routing: Optional[list] = None  # per hidden layer [tokens, topk] experts to replay (router_replay)
     # context parallelism: `tokens`, `positions`, `labels` and `routing` are this CP rank's
     # share; `cp_index` places its tokens in the unsplit row and `cp_takes[r]` says which
     # predictions (in response order) CP rank r holds. None without CP.
@@ -101,25 +102,6 @@ def sample_sequences(batch: Batch):
         response = batch["responses"][i, : int(resp_len[i])]
         out.append((torch.cat([prompt, response]), prompt.numel(), int(resp_len[i])))
     return out
-
-
-def replay_routing(batch: Batch, rows: List[int], starts, seqs, tokens_shape, index=None):
-    """The rollout's recorded experts laid out in Megatron's token order, one tensor per MoE
-    layer ([tokens, topk]). The rollout never runs the last token of a response (it is sampled,
-    not fed back) nor padding; those positions take expert ids 0..topk-1 — their outputs reach
-    no log-prob (attention is causal and they come last). `index`: a CP rank's tokens."""
-    recorded = [batch["routed_experts"][r] for r in rows]
-    layers, topk = recorded[0].shape[1], recorded[0].shape[2]
-    b, s = tokens_shape
-    flat = torch.arange(topk).expand(b * s, layers, topk).clone()  # [b*s, L, k], row-major (b, s)
-    for start, rec, (seq, _, _) in zip(starts, recorded, seqs):
-        n = min(rec.shape[0], seq.numel())
-        flat[start:start + n] = rec[:n].long()
-    if index is not None:  # this CP rank's tokens, [b, s / CP] row-major
-        flat, s = flat[index], index.numel() // b
-    # Megatron's router sees [s, b] flattened s-major
-    flat = flat.view(b, s, layers, topk).transpose(0, 1).reshape(s * b, layers, topk)
-    return [flat[:, layer].contiguous() for layer in range(layers)]
 
 
 def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of: int,
@@ -342,18 +324,22 @@ class MegatronWorker:
 
         device = self.device
         index = iter(range(len(micro) * len(self.chunks)))
+        if self.router_replay:
+            start_replay(self.chunks)
 
         def step(model, mb: MicroBatch):
             at = next(index)
             if not forward_only and faults.fault("oom", model=self.name, micro=at):
                 raise faults.SimulatedOOM(f"injected out of memory in micro-batch {at}")
             mb = mb.to(device)
-            if self.router_replay and mb.routing is not None:
-                self._set_replay(model, mb)
+            if self.router_replay:  # engine/workers/routing.py
+                set_replay(model, mb.routing, self.config.sequence_parallel)
             position_ids = mb.position_ids
             if position_ids is None and mb.packed_params is None:
                 position_ids = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
             out = model(mb.tokens, position_ids, None, packed_seq_params=mb.packed_params)
+            if self.router_replay:
+                replay_in_backward(model)
 
             def loss_fn(output):
                 loss, info = head_fn(output, mb)
@@ -399,26 +385,6 @@ class MegatronWorker:
             out[state] = sum(seen.values())
             taken |= {k for k in seen if k}
         return out
-
-    def _set_replay(self, model, mb):
-        """Point this chunk's routers at the rollout's choices for this micro-batch (sliced to
-        this rank's sequence shard under sequence parallelism)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        inner = getattr(model, "module", model)
-        pattern = inner.arch.moe_layer_pattern
-        tp = ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1
-        rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
-        for layer in inner.decoder.layers:
-            replay = getattr(getattr(layer.mlp, "router", None), "router_replay", None)
-            if replay is None:
-                continue
-            ordinal = sum(pattern[: layer.layer_number - 1])  # MoE layers before this one
-            idx = mb.routing[ordinal]
-            shard = idx.shape[0] // tp
-            replay.clear_indices()
-            replay.set_target_indices(idx[rank * shard:(rank + 1) * shard])
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype=torch.float32):
         """Forward-only results live on the last pipeline stage; every stage needs them."""

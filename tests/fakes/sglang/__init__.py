@@ -152,9 +152,16 @@ class Engine:
         for r, (tokens, logps, finish) in enumerate(zip(out.responses, out.log_probs, out.finish_reasons)):
             meta = {"output_token_logprobs": [(lp, t, None) for t, lp in zip(tokens, logps)],
                     "finish_reason": {"type": "stop" if finish == FINISH_STOP else "length"}}
-            if return_routed_experts:
-                meta["routed_experts"] = base64.b64encode(
-                    out.routed_experts[r].to(torch.int32).numpy().tobytes()).decode()
+            if return_routed_experts and out.routed_experts is not None:
+                # mirrors sglang/srt/state_capturer/{base,routed_experts}.py and the detokenizer's
+                # base64: int32 [prompt + response - 1, num_hidden_layers, top_k], a row for
+                # every hidden layer (0 for dense ones, which no router writes); nothing unless
+                # the engine started with enable_return_routed_experts (no capturer)
+                routed = out.routed_experts[r]
+                layers = self.rollout.model.config.num_hidden_layers
+                assert routed.dtype == torch.int32 and routed.shape[:2] == (
+                    len(input_ids[r // sampling.n]) + len(tokens) - 1, layers), routed.shape
+                meta["routed_experts"] = base64.b64encode(routed.numpy().tobytes()).decode()
             results.append({"meta_info": meta})
         return results
 
