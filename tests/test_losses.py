@@ -366,11 +366,10 @@ def test_data_parallel_ranks_with_different_micro_batches_match_one_process(mode
 
 
 # ---------------------------------------------------------------------------------------------
-# KL (engine.algorithms.kl is written separately; these run once it exists)
+# KL
 # ---------------------------------------------------------------------------------------------
 
 def test_kl_loss_and_kl_in_reward_use_the_k1_estimator():
-    pytest.importorskip("engine.algorithms.kl")
     from engine.algorithms.losses import apply_kl_penalty, kl_loss
     log_prob, old, _, mask = ppo_inputs(80)
     ref = rand(84, B, T) - 2.0
