@@ -50,7 +50,7 @@ def _records(tmp_path, name):
     ("gae", ["critic.ppo_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=true",
              "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=false"]),
 ])
-def test_each_estimator_trains(tmp_path, estimator, extra):
+def test_each_estimator_runs_three_steps_with_its_metrics_and_validation(tmp_path, estimator, extra):
     out, records = _run(tmp_path, estimator, [f"algorithm.adv_estimator={estimator}",
                                               "trainer.save_freq=-1", "trainer.test_freq=3",
                                               *extra])
