@@ -3,7 +3,8 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 NPROC   ?= 2
 
-.PHONY: install test test-all test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels
+.PHONY: install test test-all test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels \
+	test-device-stack
 
 $(STAMP): setup.py
 	python3 -m venv .venv
@@ -97,5 +98,27 @@ gpu-wheels:
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
+# The GPU machine's library versions on CPU: .venv-device is a venv layered over .venv (its own
+# site-packages first, then .venv's through a .pth: the same CPU torch 2.13, megatron-core and
+# this checkout) with the device's transformers / triton / numpy installed in it. numpy 2.5 is
+# not on PyPI: 2.4.6, the newest there, stands in. Python is .venv's (3.11; the device has 3.12).
+DEVICE_PY    := .venv-device/bin/python
+DEVICE_STAMP := .venv-device/.installed
+DEVICE_PINS  ?= transformers==5.17.0 triton==3.6.0 numpy==2.4.6
+DEVICE_TESTS ?= tests/test_rollout_cpu.py tests/test_kernels_logprob.py tests/test_kernels_kl.py \
+	tests/test_gpu_check.py tests/test_device_stack.py
+
+$(DEVICE_STAMP): $(STAMP) Makefile
+	rm -rf .venv-device
+	$(PY) -m venv .venv-device
+	base=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	own=$$($(DEVICE_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	echo "import site; site.addsitedir('$$base')" > "$$own/trident_base_venv.pth"
+	$(DEVICE_PY) -m pip install -q --disable-pip-version-check $(DEVICE_PINS)
+	touch $(DEVICE_STAMP)
+
+test-device-stack: $(DEVICE_STAMP)
+	$(DEVICE_PY) -m pytest -q -m "not slow" -p no:cacheprovider $(DEVICE_TESTS)
+
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv .venv-device build *.egg-info

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
+from engine.algorithms.correction import probs_diff_sums
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
@@ -140,6 +141,20 @@ class Trainer:
             self.experience.client.stop()
         return self.step_count
 
+    @staticmethod
+    def _rollout_probs_diff(batch):
+        """training/rollout_probs_diff_{max,mean} over the data-parallel batch (make gpu-check's
+        GRPO run requires the max below a bound, tools/gpu_report.py)."""
+        worst, total, count = probs_diff_sums(batch["old_log_probs"], batch["rollout_log_probs"],
+                                              batch["response_mask"])
+        group = ps.get_data_parallel_group()
+        peak = torch.tensor([worst], dtype=torch.float64)
+        sums = torch.tensor([total, count], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sums, group=group)
+        return {"training/rollout_probs_diff_max": float(peak),
+                "training/rollout_probs_diff_mean": float(sums[0] / sums[1].clamp(min=1))}
+
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts; returns its metrics."""
         timings = defaultdict(float)
@@ -164,6 +179,8 @@ class Trainer:
                     batch["old_log_probs"] = out["log_prob"]
                     if self.full_kl_in_reward:
                         batch["old_full_kl"] = out["full_kl"]
+                if "rollout_log_probs" in batch:  # the rollout's numbers against training's
+                    metrics.update(self._rollout_probs_diff(batch))
             if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
                 self._reference_pass(batch, timings)
             if self.critic is not None:

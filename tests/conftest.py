@@ -7,12 +7,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through the interpreter
+
+def _cuda_available():
+    import torch
+    return torch.cuda.is_available()
+
+
+# Triton kernels run on CPU through the interpreter, and only there: on CUDA the gpu tests check
+# the compiled kernels (the interpreter would replace them; triton 3.6's crashes with numpy >= 2.4)
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-    if torch.cuda.is_available():
+    if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

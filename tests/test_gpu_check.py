@@ -29,20 +29,59 @@ def test_script_is_shellcheck_clean():
     assert proc.returncode == 0, proc.stdout
 
 
-def test_every_step_has_a_timeout_within_nine_minutes():
+def _script_number(name):
+    return int(re.search(rf"^{name}=(\d+)", open(SCRIPT).read(), flags=re.M).group(1))
+
+
+def test_every_step_has_a_timeout_and_all_of_them_end_inside_nine_minutes():
+    """Every step at its limit, every probe at its own, each plus the kill grace: still < 540 s."""
     text = open(SCRIPT).read()
     limits = dict(pair.split("=") for pair in re.search(r'STEP_TIMEOUTS="([^"]+)"', text).group(1).split())
     steps = re.findall(r"^\s*step (\w+) ", text, flags=re.M)
     assert steps and set(steps) <= set(limits), (steps, limits)
-    wheels = int(re.search(r"timeout (\d+) \"\$PY\" -m pip install", text).group(1))
-    assert sum(int(v) for v in limits.values()) + wheels < 540
-    # the step runner wraps every command in timeout; other commands carry their own
-    body = text[text.index("step() {"):text.index("skip() {")]
-    assert 'timeout --kill-after=15 "$limit" "$@"' in body
-    for line in text.splitlines():
-        if re.match(r'^\s*(timeout|step|skip|"\$PY" tools/gpu_report.py report)', line) is None \
-                and re.match(r'^\s*"\$PY" ', line):
+    budget, kill = _script_number("BUDGET"), _script_number("KILL_AFTER")
+    # the steps (and probes between them) share the budget: each limit is cut to what is left
+    body = text[text.index("step() {"):text.index("has() {")]
+    assert 'left=$(( BUDGET - ($(date +%s) - START) - KILL_AFTER ))' in body
+    assert "if (( limit > left )); then limit=$left; fi" in body
+    assert 'timeout --kill-after="$KILL_AFTER" "$limit" "$@"' in body
+    assert text.index("START=$(date +%s)") < text.index("torch.cuda.is_available()")  # probe counted
+    report = re.search(r'timeout -k "\$KILL_AFTER" (\d+) "\$PY" tools/gpu_report.py report', text)
+    assert report, "the report runs under a timeout"
+    assert budget + int(report.group(1)) + kill < 540
+    for line in text.splitlines():  # every other command carries its own timeout
+        if re.match(r'^\s*"\$PY" ', line) and not line.rstrip().endswith("\\"):
             pytest.fail(f"a command without a timeout: {line}")
+
+
+GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*pytest\.mark\.gpu\b)", re.M)
+
+
+def test_the_check_collects_every_gpu_test():
+    """pytest -m gpu runs over GPU_TESTS: each file holding a gpu-marked test must be under it
+    (the compiled Triton kernels' tests live in tests/test_kernels_logprob.py)."""
+    paths = re.search(r'^GPU_TESTS="([^"]+)"', open(SCRIPT).read(), flags=re.M).group(1).split()
+    marked = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), ROOT)
+            if name.endswith(".py") and GPU_MARK.search(open(os.path.join(ROOT, path)).read()):
+                marked.append(path)
+    assert "tests/test_kernels_logprob.py" in marked
+    missed = [m for m in marked if not any(m == p or m.startswith(p.rstrip("/") + "/") for p in paths)]
+    assert not missed, f"gpu tests outside the check's pytest path {paths}: {missed}"
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_triton_interpreter_only_without_cuda(cuda):
+    """tests/conftest.py sets TRITON_INTERPRET=1 for CPU runs only: on CUDA the gpu tests must
+    check the compiled kernels. torch.cuda.is_available is pinned in a fresh interpreter."""
+    code = (f"import torch; torch.cuda.is_available = lambda: {cuda}; import os; "
+            "os.environ.pop('TRITON_INTERPRET', None); import tests.conftest; "
+            "print(os.environ.get('TRITON_INTERPRET'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == ("None" if cuda else "1")
 
 
 def test_report_statuses(tmp_path):
@@ -59,7 +98,8 @@ def test_report_statuses(tmp_path):
         '</testsuite></testsuites>')
     (tmp_path / "grpo").mkdir()
     (tmp_path / "grpo" / "metrics.jsonl").write_text(
-        "\n".join(json.dumps({"step": s, "critic/score/mean": 0.1 * s}) for s in (1, 2)))
+        "\n".join(json.dumps({"step": s, "critic/score/mean": 0.1 * s,
+                              "training/rollout_probs_diff_max": 0.01}) for s in (1, 2)))
     assert gpu_report.report(str(tmp_path)) == 1  # a failed test and a timed-out step
     report = json.loads((tmp_path / "report.json").read_text())
     status = {c["check"]: (c["status"], c["detail"]) for c in report["checks"]}
@@ -70,3 +110,23 @@ def test_report_statuses(tmp_path):
     assert status["benchmark"] == ("fail", "timed out after 200s")
     assert status["extra"] == ("skipped", "megatron-core is not importable")
     assert report["summary"] == {"pass": 3, "fail": 3, "skipped": 2}
+
+
+@pytest.mark.parametrize("diffs, ok, says", [
+    ([0.02, 0.05], True, "rollout_probs_diff_max 0.05 < 0.1"),
+    ([0.02, 0.4], False, "rollout and trainer disagree"),
+    ([0.02, float("nan")], False, "rollout and trainer disagree"),
+    ([0.02, None], False, "no training/rollout_probs_diff_max"),
+    ([0.02], False, "1 step(s) logged, expected 2"),
+])
+def test_grpo_passes_only_when_rollout_and_trainer_agree(tmp_path, diffs, ok, says):
+    import gpu_report
+
+    (tmp_path / "steps.txt").write_text("grpo 0 60 120\n")
+    (tmp_path / "grpo").mkdir()
+    rows = [{"step": i + 1, **({} if d is None else {"training/rollout_probs_diff_max": d})}
+            for i, d in enumerate(diffs)]
+    (tmp_path / "grpo" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert gpu_report.report(str(tmp_path)) == (0 if ok else 1)
+    (check,) = json.loads((tmp_path / "report.json").read_text())["checks"]
+    assert check["status"] == ("pass" if ok else "fail") and says in check["detail"], check

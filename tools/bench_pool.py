@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+from tools import bench_step
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
@@ -40,7 +42,7 @@ def _run_one(args, k, tmp):
            f"trainer.rollout_pool_ranks={args.pool_ranks}", f"trainer.off_policy_steps={k}",
            f"data.max_response_length={args.response_length}", f"trainer.log_dir={tmp}/logs/{name}",
            f"trainer.default_local_dir={tmp}/ckpt/{name}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=bench_step.with_root(os.environ.get("PYTHONPATH")))
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start

@@ -80,8 +80,14 @@ def add_arguments(parser):
     parser.add_argument("overrides", nargs="*", help="extra key=value recipe overrides")
 
 
+def with_root(pythonpath):
+    """This checkout first, then the caller's path: gpu_check.sh puts megatron-core (from .whl/)
+    there, tests put the SGLang double there; replacing it would lose them."""
+    return os.pathsep.join([ROOT] + [p for p in (pythonpath or "").split(os.pathsep) if p and p != ROOT])
+
+
 def run_trainer(recipe, overrides, nproc, steps, log_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=with_root(os.environ.get("PYTHONPATH")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(nproc), "-m", "engine.train", recipe, *overrides,
            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",

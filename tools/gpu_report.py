@@ -62,15 +62,31 @@ def _pytest_checks(out_dir):
     return checks
 
 
+# The GRPO run passes only if the rollout engine and the trainer agree on the numbers: for every
+# response token, |p_rollout - p_train| of the token the rollout drew (verl's
+# training/rollout_probs_diff_max). Same weights, bf16 on both sides: ~1e-2 is kernel noise; an
+# ignored KV cache, a misloaded weight or a mismatched tokenizer gives differences near 1.
+PROBS_DIFF_MAX = 0.1
+GRPO_STEPS = 2
+
+
 def _grpo_detail(out_dir):
     path = os.path.join(out_dir, "grpo", "metrics.jsonl")
     if not os.path.exists(path):
-        return None, "no metrics.jsonl"
+        return False, "no metrics.jsonl"
     records = [json.loads(line) for line in open(path) if line.strip()]
-    if len(records) < 2:
-        return False, f"{len(records)} step(s) logged, expected 2"
+    if len(records) < GRPO_STEPS:
+        return False, f"{len(records)} step(s) logged, expected {GRPO_STEPS}"
+    diffs = [r.get("training/rollout_probs_diff_max") for r in records]
+    if any(d is None for d in diffs):
+        return False, "no training/rollout_probs_diff_max logged: the rollout's log-probs were not compared"
+    worst = max(diffs, key=lambda d: d if d == d else float("inf"))  # a NaN is the worst
+    if not worst < PROBS_DIFF_MAX:
+        return False, (f"rollout and trainer disagree: training/rollout_probs_diff_max {worst:.3g} "
+                       f">= {PROBS_DIFF_MAX} (per step {[round(d, 4) for d in diffs]})")
     last = records[-1]
-    return True, (f"2 steps, score {last.get('critic/score/mean', 0):.3f}, "
+    return True, (f"{len(records)} steps, rollout_probs_diff_max {worst:.3g} < {PROBS_DIFF_MAX}, "
+                  f"score {last.get('critic/score/mean', 0):.3f}, "
                   f"{last.get('perf/throughput', 0):.0f} tok/s/GPU, step {last.get('timing_s/step', 0):.1f}s")
 
 

@@ -65,3 +65,13 @@ def score_weights(scores, power, global_sum=None, global_count=None):
     if total <= 0:  # every score 0: nothing to prefer, leave the batch as it is
         return torch.ones_like(raw)
     return raw * (count / total)
+
+
+@torch.no_grad()
+def probs_diff_sums(old_log_probs, rollout_log_probs, response_mask):
+    """How far the rollout engine's probabilities of its own tokens are from the trainer's, on
+    the same weights (verl's training/rollout_probs_diff_*): |exp(pi_old) - exp(mu)| per response
+    token. Returns (max, sum, count) over the masked tokens, to combine over ranks."""
+    mask = response_mask.bool()
+    diff = (old_log_probs.double().exp() - rollout_log_probs.double().exp()).abs()[mask]
+    return (float(diff.max()) if diff.numel() else 0.0), float(diff.sum()), float(diff.numel())
