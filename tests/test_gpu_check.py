@@ -130,3 +130,35 @@ def test_grpo_passes_only_when_rollout_and_trainer_agree(tmp_path, diffs, ok, sa
     assert gpu_report.report(str(tmp_path)) == (0 if ok else 1)
     (check,) = json.loads((tmp_path / "report.json").read_text())["checks"]
     assert check["status"] == ("pass" if ok else "fail") and says in check["detail"], check
+
+
+CPU_GRPO = " ".join([  # the same recipe, shrunk for 2 CPU cores: fp32, a 2-layer model, 8 rows
+    "trainer.device=cpu", "actor_rollout_ref.actor.megatron.params_dtype=float32",
+    "actor_rollout_ref.model.config.hidden_size=64", "actor_rollout_ref.model.config.intermediate_size=128",
+    "actor_rollout_ref.model.config.num_hidden_layers=2", "actor_rollout_ref.model.config.num_attention_heads=4",
+    "actor_rollout_ref.model.config.num_key_value_heads=2", "data.train_batch_size=4", "data.val_batch_size=8",
+    "data.max_response_length=8", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+
+
+def test_grpo_step_runs_under_torchrun_with_the_sglang_double_on_cpu(tmp_path):
+    """The script's own GRPO step (torchrun, its PYTHONPATH, its rollout choice, its report), on
+    CPU with tests/fakes on the path: `has sglang` finds the double, so rollout.name=sglang."""
+    out, ckpt, log = tmp_path / "out", tmp_path / "ckpt", tmp_path / "sglang.jsonl"
+    env = dict(os.environ, GPU_CHECK_CPU="1", GPU_CHECK_STEPS="env grpo", GPU_CHECK_OUT=str(out),
+               GPU_CHECK_CKPT=str(ckpt), GPU_CHECK_GRPO_ARGS=CPU_GRPO, PYTHON=sys.executable,
+               PYTHONPATH=os.path.join(ROOT, "tests", "fakes"), TRIDENT_FAKE_SGLANG_LOG=str(log),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    grpo_log = (out / "grpo.log").read_text() if (out / "grpo.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + grpo_log[-3000:]
+    checks = {c["check"]: c for c in json.loads((out / "report.json").read_text())["checks"]}
+    assert checks["grpo"]["status"] == "pass", checks["grpo"]
+    assert "rollout_probs_diff_max" in checks["grpo"]["detail"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    inits = [r for r in records if r["kind"] == "init"]
+    assert len(inits) == 1 and inits[0]["kwargs"]["tp_size"] == 1, "the SGLang double built no engine"
+    assert any(r["kind"] == "update_weights_from_tensor" for r in records), "no weights reached the double"
+    # the checkpoint apart from the small report files
+    assert any(ckpt.rglob("*")) and not any(p.is_dir() and "step_" in p.name for p in out.rglob("*"))
+    assert sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) < 2_000_000
