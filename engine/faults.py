@@ -33,6 +33,13 @@ def _faults():
     return json.loads(text) if text else []
 
 
+def reset():
+    """Forget which faults fired and which steps ran (a process that runs several trainers)."""
+    _fired.clear()
+    _passes.clear()
+    _where["step"] = 0
+
+
 def set_step(step):
     _where["step"] = step
     _passes[step] = _passes.get(step, 0) + 1

@@ -6,6 +6,10 @@
   the last good checkpoint with the LR multiplied by `trainer.rollback_lr_factor` (and without
   one, lowers the LR in place: the weights are still the last good ones, nothing bad was
   applied). Counts and the LR scale are trainer state, saved and restored.
+* Out-of-memory back-off (`trainer.oom_retry`): the ranks of a pipeline stage agree before each
+  micro-batch whether one ran out of memory, idle together through the rest of the attempt so
+  no peer waits in a collective, and every rank retries the mini-batch at half the micro-batch
+  (engine/workers/oom.py, parallel/schedule.py, engine/workers/template.py).
 * `CollectiveWatch` (hangs): every torch.distributed collective runs under the process group's
   timeout (`trainer.collective_timeout_s`); the watch remembers the phase and the collective in
   flight, so when one fails (a peer died or stopped answering) the job ends with one line naming

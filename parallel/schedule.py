@@ -5,7 +5,7 @@ micro-batches and a `step_fn(model, micro_batch) -> (output, loss_fn)`; with vir
 stages every model chunk sees the same micro-batches in order. Gradients are finalised (DP /
 SP / tied-embedding reductions) by Megatron's own `finalize_model_grads`.
 """
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ def is_oom(error: BaseException) -> bool:
 
 def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Callable, *,
                      forward_only: bool, seq_length: int, micro_batch_size: int,
-                     agree_on_oom: bool = False):
+                     agree_on_oom: bool = False, recorded_oom: Optional[Callable] = None):
     """Run every micro-batch forward (and backward unless `forward_only`) through the pipeline.
 
     Returns the list of per-micro-batch `info` values the loss functions returned (last pipeline
@@ -34,9 +34,11 @@ def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Calla
     `agree_on_oom`: before the gradients are reduced, every rank says whether it ran out of
     memory (one all-reduce of a flag) and all raise MicroBatchOOM together if one did, so the
     caller can retry with smaller micro-batches. The ranks meet there only if the failing rank
-    left no peer waiting inside the schedule: true for data parallelism without overlapped
-    gradient reduction; with TP / PP / CP collectives inside a micro-batch the peers wait until
-    the collective timeout ends the job (engine.train reports it).
+    left no peer waiting inside the schedule. So a step function with model-parallel peers
+    records an out-of-memory instead of raising (`recorded_oom()` returns it) and keeps the
+    pipeline's collectives going with idle micro-batches (engine/workers/base.py); an OOM raised
+    inside a micro-batch's TP / CP collectives still leaves its peers waiting until the
+    collective timeout ends the job (engine.train reports it).
     """
     if not micro_batches:
         return []
@@ -63,6 +65,8 @@ def forward_backward(chunks: Sequence, micro_batches: List[dict], step_fn: Calla
         if not (agree_on_oom and is_oom(e)):
             raise
         oom, infos = e, []
+    if oom is None and recorded_oom is not None:
+        oom = recorded_oom()
     if agree_on_oom:
         flag = torch.tensor([1.0 if oom is not None else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

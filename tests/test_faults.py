@@ -109,3 +109,75 @@ def test_a_truncated_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
     resumed = _records(tmp_path, "cut")
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-6, abs=1e-9), key
+
+
+def _oom_steps(tmp, layout, fault, steps=2):
+    """Two PPO steps through the real trainer (in-process ranks), an out-of-memory injected on
+    one rank; returns, per rank, the micro-batch sizes of every update attempt and the metrics."""
+    import math
+
+    import torch.distributed as dist
+
+    from engine import faults as faults_module
+    from engine.config import load_config
+    from engine.train import build
+    from engine.trainer import Trainer, set_seed
+
+    os.environ["TRIDENT_FAULTS"] = json.dumps([fault])
+    faults_module.reset()
+    try:
+        cfg = load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                       "recipes", "tiny_cpu_demo.yaml"), [
+            "trainer.n_gpus_per_node=2", "trainer.logger=[]", "trainer.resume_mode=disable",
+            "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp}/ckpt",
+            f"trainer.log_dir={tmp}/logs", "trainer.collective_timeout_s=30", "trainer.oom_retry=2",
+            "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", *layout])
+        set_seed(cfg.trainer.seed + dist.get_rank())
+        t = Trainer(*build(cfg, 2))
+        sizes, run = [], t.actor.run
+
+        def recording_run(micro, head_fn, *, forward_only, **kw):
+            if not forward_only:
+                sizes[-1].append([len(mb.rows) for mb in micro])
+            return run(micro, head_fn, forward_only=forward_only, **kw)
+        t.actor.run = recording_run
+        metrics = []
+        for step in range(1, steps + 1):
+            faults_module.set_step(step)
+            sizes.append([])
+            m = t.train_step(t.loader.next_batch())
+            t.step_count += 1
+            metrics.append({k: m[k] for k in ("actor/oom_retries", "train/applied_update")})
+            metrics[-1]["grad_norm_finite"] = math.isfinite(m["actor/grad_norm"])
+        t.hybrid.to_training()
+        t.rollout.shutdown()
+        return dict(sizes=sizes, metrics=metrics, split=t.actor.split)
+    finally:
+        os.environ.pop("TRIDENT_FAULTS", None)
+        faults_module.reset()
+
+
+@pytest.mark.parametrize("layout,rank", [
+    ("tensor_model_parallel_size", 1),    # the TP peer waits inside the micro-batch's forward
+    ("pipeline_model_parallel_size", 0),  # the first stage fails: the last waits for activations
+    ("pipeline_model_parallel_size", 1),  # the last stage fails: the first waits for gradients
+])
+def test_an_out_of_memory_on_one_model_parallel_rank_halves_the_micro_batch_on_every_rank(tmp_path, layout, rank):
+    """Only `rank` runs out of memory (step 1, its second micro-batch); both ranks retry the
+    mini-batch together at half the micro-batch, keep that size at step 2, lose no step, and
+    nothing waits out a collective timeout."""
+    from tests.multirank import run_on_ranks
+    fault = {"kind": "oom", "step": 1, "micro": 1, "rank": rank, "model": "actor"}
+    start = time.monotonic()
+    ranks = run_on_ranks(_oom_steps, 2, str(tmp_path), [f"actor_rollout_ref.actor.megatron.{layout}=2"], fault,
+                         timeout=150)
+    assert time.monotonic() - start < 120  # a peer left waiting would sit out the 30 s timeout
+    for r in ranks:  # 8 sequences per mini-batch: 2 x 4, then (retried) 4 x 2; step 2 keeps 2
+        assert r["sizes"] == [[[4, 4], [2, 2, 2, 2]], [[2, 2, 2, 2]]], r["sizes"]
+        assert r["split"] == (2, None)
+    m = ranks[0]["metrics"]
+    assert [s["actor/oom_retries"] for s in m] == [1.0, 0.0]
+    assert all(s["train/applied_update"] == 1.0 and s["grad_norm_finite"] for s in m)

@@ -327,8 +327,15 @@ class MegatronWorker:
         if self.router_replay:
             start_replay(self.chunks)
 
+        # an update that may retry: the stage's peers agree on an out-of-memory before each
+        # micro-batch and idle together (engine/workers/oom.py)
+        from engine.workers.oom import OOMAgreement
+        oom = OOMAgreement(self) if agree_on_oom and not forward_only else None
+
         def step(model, mb: MicroBatch):
             at = next(index)
+            if oom is not None and oom.idles(at):
+                return oom.idle_step(model, mb)
             if not forward_only and faults.fault("oom", model=self.name, micro=at):
                 raise faults.SimulatedOOM(f"injected out of memory in micro-batch {at}")
             mb = mb.to(device)
@@ -349,7 +356,8 @@ class MegatronWorker:
         # the schedule divides by CP (and TP under SP) for its p2p shapes: the unsplit length
         seq_length = max(mb.tokens.shape[1] * mb.cp_size for mb in micro)
         return forward_backward(self.chunks, micro, step, forward_only=forward_only, seq_length=seq_length,
-                                micro_batch_size=micro[0].tokens.shape[0], agree_on_oom=agree_on_oom)
+                                micro_batch_size=micro[0].tokens.shape[0], agree_on_oom=agree_on_oom,
+                                recorded_oom=oom.recorded if oom is not None else None)
 
     # -- colocation ------------------------------------------------------------------------
     def state_tensors(self, state):
