@@ -183,10 +183,10 @@ class MegatronWorker:
                              "(overlap_grad_reduce / overlap_param_gather are supported)")
         recompute = {}
         if megatron_cfg.recompute_granularity or model_cfg.enable_gradient_checkpointing:
-            recompute = dict(
-                recompute_granularity=megatron_cfg.recompute_granularity or "full",
-                recompute_method=megatron_cfg.recompute_method or "uniform",
-                recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
+            recompute = dict(recompute_granularity=megatron_cfg.recompute_granularity or "full")
+            if recompute["recompute_granularity"] == "full":  # Megatron refuses both for selective
+                recompute.update(recompute_method=megatron_cfg.recompute_method or "uniform",
+                                 recompute_num_layers=megatron_cfg.recompute_num_layers or 1)
         self.router_replay = router_replay
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype, lora=lora,
@@ -289,6 +289,13 @@ class MegatronWorker:
             lengths = [round_up(int(n), span) for n in batch["attention_mask"].sum(-1)]
             min_length = max(sum(lengths[i] for i in g) if packed else max(lengths[i] for i in g)
                              for g in groups)
+            if ps.get_expert_model_parallel_world_size() > 1:
+                # the allgather dispatcher gathers tokens over EP peers (other DP ranks), which
+                # must hold as many: every data-parallel rank pads to the longest
+                longest = torch.tensor([min_length])
+                dist.all_reduce(longest, op=dist.ReduceOp.MAX,
+                                group=ps.get_data_parallel_group(with_context_parallel=True))
+                min_length = int(longest)
         return [make_micro_batch(batch, g, packed=packed, multiple_of=multiple,
                                  pad_id=self.pad_token_id, min_length=min_length, cp_size=cp,
                                  cp_rank=ps.get_context_parallel_rank()) for g in groups]

@@ -1,0 +1,128 @@
+"""PPO updates of a MoE model (tiny Qwen2-MoE: a dense first layer, then 3 MoE layers of 4
+experts, top-2) under the layouts and memory options users run it with, each against one
+process with the same weights and data: EP 2 with and without router replay, and activation
+recompute (full and selective) at PP 2, where 1F1B runs several micro-batches' forwards before
+the first backward, so a recomputed forward must replay its own micro-batch's routing
+(engine/workers/routing.py), not the latest one's.
+
+The replayed routing is random (not what the training router would choose), so a layer that
+replays the wrong rows, or a recomputation that routes differently from its forward, moves the
+update far beyond fp32 rounding. fp32; Adam's first step: weights agree to 1e-5.
+"""
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+from tests.test_router_replay import weight_for
+from tests.tiny_models import tiny_config
+
+B, P, R = 8, 5, 6
+TOP_K, EXPERTS = 2, 4
+
+
+def moe_batch(vocab, layers, seed=3):
+    """B samples in verl's layout with a recorded routing per sample in SGLang's layout
+    ([positions, num_hidden_layers, top_k], random distinct experts; row 0 dense: 0)."""
+    from engine.batch import Batch
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.randint(2, P + 1, (B,), generator=g)
+    rlen = torch.randint(2, R + 1, (B,), generator=g)
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros(B, R, dtype=torch.long)
+    rmask = torch.zeros(B, R, dtype=torch.long)
+    routed = []
+    for i in range(B):
+        p, r = int(plen[i]), int(rlen[i])
+        ids[i, P - p:P] = torch.randint(1, vocab, (p,), generator=g)
+        resp[i, :r] = torch.randint(1, vocab, (r,), generator=g)
+        ids[i, P:P + r], attn[i, P - p:P + r], rmask[i, :r] = resp[i, :r], 1, 1
+        rec = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K]
+                           for _ in range((p + r - 1) * layers)]).view(p + r - 1, layers, TOP_K)
+        rec[:, 0] = 0  # the dense layer's row, as SGLang leaves it
+        routed.append(rec.to(torch.int32))
+    return Batch(dict(input_ids=ids, attention_mask=attn, responses=resp, response_mask=rmask,
+                      advantages=torch.randn(B, R, generator=g) * rmask,
+                      noise=torch.randn(B, R, generator=g) * 0.3),
+                 non_tensors=dict(routed_experts=routed))
+
+
+def _update(layout_kwargs, replay, recompute=None, micro=1):
+    from megatron.core import parallel_state as ps
+
+    from engine.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
+    from engine.workers.actor import ActorWorker
+    from parallel.mesh import Layout, init_mesh
+    from parallel.shards import iter_global, load_global, local_shards
+
+    init_mesh(Layout(**layout_kwargs), seed=1)
+    hf = tiny_config("qwen2_moe")
+    how = dict(full=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+               selective=dict(recompute_granularity="selective")).get(recompute, {})
+    meg = MegatronConfig(params_dtype="float32", use_distributed_optimizer=True, **how)
+    cfg = ActorConfig(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=micro, megatron=meg,
+                      optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0),
+                      router_replay=replay, use_kl_loss=False, entropy_coeff=0.0, clip_ratio=0.2)
+    actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=R)
+    shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
+    load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
+    batch = moe_batch(hf.vocab_size, hf.num_hidden_layers)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
+    actor.mini_batch_size_per_rank = len(mine)
+    old = actor.compute_log_prob(mine, micro_batch_size=2)
+    mine["old_log_probs"] = old + mine["noise"] * mine["response_mask"]
+    metrics = actor.update_policy(mine)
+    return dict(metrics=metrics, weights=dict(iter_global(actor.chunks, "param")), rank=rank, old=old)
+
+
+def _merged(results):
+    weights = {}
+    for res in results:
+        weights.update(res["weights"])
+    old = torch.cat([r["old"] for r in sorted(results, key=lambda r: r["rank"])
+                     if r["old"] is not None][:len({r["rank"] for r in results})])
+    return results[0]["metrics"], weights, old
+
+
+_REF = {}
+
+
+def _reference(replay):
+    if replay not in _REF:
+        _REF[replay] = _merged(run_on_ranks(_update, 1, {}, replay))
+    return _REF[replay]
+
+
+def _assert_same_update(got, want):
+    metrics, weights, old = got
+    ref_metrics, ref_weights, ref_old = want
+    torch.testing.assert_close(old, ref_old, atol=1e-5, rtol=0)
+    assert set(weights) == set(ref_weights)
+    for n in ref_weights:
+        torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=0, msg=n)
+    for k in ("actor/pg_loss", "actor/grad_norm"):
+        assert metrics[k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
+
+
+CASES = [  # name, world, layout, router replay, recompute
+    ("ep2_replay", 2, dict(ep=2), True, None),
+    ("ep2", 2, dict(ep=2), False, None),
+    ("pp2_full_recompute_replay", 2, dict(pp=2), True, "full"),
+    ("pp2_selective_recompute_replay", 2, dict(pp=2), True, "selective"),
+    ("pp2_full_recompute", 2, dict(pp=2), False, "full"),
+]
+
+
+@pytest.mark.parametrize("name,world,layout,replay,recompute", CASES, ids=[c[0] for c in CASES])
+def test_moe_update_equals_one_process(name, world, layout, replay, recompute):
+    got = _merged(run_on_ranks(_update, world, layout, replay, recompute))
+    _assert_same_update(got, _reference(replay))
+
+
+def test_replay_changes_the_update():
+    """The replayed routing is not the router's own: were it ignored, the cases above could not
+    tell replay from no replay."""
+    _, with_replay, _ = _reference(True)
+    _, without, _ = _reference(False)
+    assert max(float((with_replay[n] - without[n]).abs().max()) for n in without) > 1e-4
