@@ -9,6 +9,8 @@ Model FLOPs use the parameters a token actually passes through (`param_counts`):
 mixture-of-experts model that is the routed top-k experts, not all of them, and it is computed
 from the HF config, so it does not depend on how the experts are spread over EP ranks.
 """
+import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
@@ -236,57 +238,126 @@ def peak_rss_bytes():
 
 
 class CommTimer:
-    """Seconds the training loop spends *blocked* in torch.distributed collectives, per phase.
+    """Seconds the training loop spends *blocked* in torch.distributed collectives, per phase,
+    and how many of each it issued (`calls[phase][op]`).
 
     Synchronous collectives count whole; asynchronous ones (Megatron's overlapped gradient
-    reduce / parameter gather) count only the time their `wait()` blocks. Comparing a phase
-    with Megatron's overlap switches on and off gives how much communication compute hid.
+    reduce / parameter gather) count only the time their `wait()` blocks: the call returns a
+    handle whose `wait` is timed, so the overlap stays (torch's Work objects take no new
+    attributes, and waiting inside the call would serialise what was meant to overlap).
+    Comparing a phase with Megatron's overlap switches on and off gives how much communication
+    compute hid. Megatron binds some collectives to names of its own at import (the
+    distributed optimizer's reduce-scatter and all-gather, `_coalescing_manager`, whose exit or
+    `wait()` is where coalesced collectives block): every imported module's alias of a wrapped
+    function is replaced too. torch.distributed's own modules keep the originals, so an object
+    collective is counted once, not again through the collectives it calls. Not wrapped:
+    `isend` / `irecv` (torch's P2POp accepts only its own functions); pipeline sends made with
+    `batch_isend_irecv`, `send` and `recv` are.
     """
 
     OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-           "broadcast", "all_to_all_single", "barrier", "_all_gather_base", "_reduce_scatter_base")
+           "reduce_scatter", "broadcast", "reduce", "gather", "scatter", "all_to_all",
+           "all_to_all_single", "barrier", "monitored_barrier", "_all_gather_base",
+           "_reduce_scatter_base", "all_gather_object", "broadcast_object_list",
+           "gather_object", "scatter_object_list", "batch_isend_irecv", "send", "recv")
+    COALESCING = "_coalescing_manager"
+    _active = None  # one timer per process: a new one replaces the last (a second trainer)
 
     def __init__(self):
         self.seconds = {}
+        self.calls = {}
         self.phase = "other"
-        self._originals = {}
+        self._patched = []  # (namespace, name, original)
 
     def _add(self, dt):
         self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + dt
 
-    def _wrap(self, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            work = fn(*args, **kwargs)
-            self._add(time.perf_counter() - t0)
-            if work is not None and hasattr(work, "wait"):
-                wait = work.wait
+    def _count(self, op):
+        ops = self.calls.setdefault(self.phase, {})
+        ops[op] = ops.get(op, 0) + 1
 
-                def timed_wait(*a, **k):
-                    t1 = time.perf_counter()
-                    try:
-                        return wait(*a, **k)
-                    finally:
-                        self._add(time.perf_counter() - t1)
+    def _wrap(self, fn, op):
+        timer = self
+
+        def timed(*args, **kwargs):
+            timer._count(op)
+            t0 = time.perf_counter()
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                timer._add(time.perf_counter() - t0)
+            if isinstance(work, list):  # batch_isend_irecv
+                return [_TimedWork(w, timer) if hasattr(w, "wait") else w for w in work]
+            return _TimedWork(work, timer) if hasattr(work, "wait") else work
+        timed.__wrapped__ = fn
+        return timed
+
+    def _wrap_coalescing(self, fn):
+        timer = self
+
+        @contextlib.contextmanager
+        def timed(*args, **kwargs):
+            manager = fn(*args, **kwargs)
+            handle = manager.__enter__()
+            try:
+                yield _TimedWork(handle, timer)
+            except BaseException:
+                if not manager.__exit__(*sys.exc_info()):
+                    raise
+            else:
+                t0 = time.perf_counter()  # synchronous: the coalesced collectives run here
                 try:
-                    work.wait = timed_wait
-                except AttributeError:  # C++ Work objects may not take attributes: time it now
-                    t1 = time.perf_counter()
-                    wait()
-                    self._add(time.perf_counter() - t1)
-            return work
+                    manager.__exit__(None, None, None)
+                finally:
+                    timer._add(time.perf_counter() - t0)
+        timed.__wrapped__ = fn
         return timed
 
     def install(self):
         import torch.distributed as dist
-        for name in self.OPS:
-            if hasattr(dist, name) and name not in self._originals:
-                self._originals[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(self._originals[name]))
+        if CommTimer._active is not None and CommTimer._active is not self:
+            CommTimer._active.uninstall()
+        wrappers = {}
+        for name in self.OPS + (self.COALESCING,):
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            wrappers[id(original)] = (original, self._wrap_coalescing(original)
+                                      if name == self.COALESCING else self._wrap(original, name))
+        for module in [dist] + [m for n, m in list(sys.modules.items())
+                                if m is not None and not n.startswith("torch")]:
+            try:
+                names = list(vars(module).items())
+            except TypeError:
+                continue
+            for name, value in names:
+                if callable(value) and id(value) in wrappers and wrappers[id(value)][0] is value:
+                    self._patched.append((module, name, value))
+                    setattr(module, name, wrappers[id(value)][1])
+        CommTimer._active = self
         return self
 
     def uninstall(self):
-        import torch.distributed as dist
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-        self._originals.clear()
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched.clear()
+        if CommTimer._active is self:
+            CommTimer._active = None
+
+
+class _TimedWork:
+    """A collective's handle whose `wait()` counts as time blocked; everything else is the
+    handle's own."""
+
+    def __init__(self, work, timer):
+        self._work, self._timer = work, timer
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._timer._add(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)

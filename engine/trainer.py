@@ -137,6 +137,8 @@ class Trainer:
             if self.rank == 0 and not source:  # a built-in task's tokenizer
                 self.tokenizer.save_pretrained(out)
         self.logger.close()
+        if self.comm is not None:  # torch.distributed's functions back as they were
+            self.comm.uninstall()
         if isinstance(self.experience, Pool):
             self.experience.client.stop()
         return self.step_count
