@@ -9,12 +9,17 @@ The replayed routing is random (not what the training router would choose), so a
 replays the wrong rows, or a recomputation that routes differently from its forward, moves the
 update far beyond fp32 rounding. fp32; Adam's first step: weights agree to 1e-5.
 """
+import os
+
 import pytest
 import torch
 
 from tests.multirank import run_on_ranks
 from tests.test_router_replay import weight_for
 from tests.tiny_models import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
 B, P, R = 8, 5, 6
 TOP_K, EXPERTS = 2, 4
@@ -106,16 +111,16 @@ def _assert_same_update(got, want):
 
 
 CASES = [  # name, world, layout, router replay, recompute
-    ("ep2_replay", 2, dict(ep=2), True, None),
-    ("ep2", 2, dict(ep=2), False, None),
-    ("pp2_full_recompute_replay", 2, dict(pp=2), True, "full"),
-    ("pp2_selective_recompute_replay", 2, dict(pp=2), True, "selective"),
-    ("pp2_full_recompute", 2, dict(pp=2), False, "full"),
+    pytest.param(2, dict(ep=2), True, None, id="ep2_replay"),
+    pytest.param(2, dict(ep=2), False, None, id="ep2"),
+    pytest.param(2, dict(pp=2), True, "full", id="pp2_full_recompute_replay"),
+    pytest.param(2, dict(pp=2), True, "selective", id="pp2_selective_recompute_replay"),
+    pytest.param(2, dict(pp=2), False, "full", id="pp2_full_recompute"),
 ]
 
 
-@pytest.mark.parametrize("name,world,layout,replay,recompute", CASES, ids=[c[0] for c in CASES])
-def test_moe_update_equals_one_process(name, world, layout, replay, recompute):
+@pytest.mark.parametrize("world,layout,replay,recompute", CASES)
+def test_moe_update_equals_one_process(world, layout, replay, recompute):
     got = _merged(run_on_ranks(_update, world, layout, replay, recompute))
     _assert_same_update(got, _reference(replay))
 
@@ -126,3 +131,83 @@ def test_replay_changes_the_update():
     _, with_replay, _ = _reference(True)
     _, without, _ = _reference(False)
     assert max(float((with_replay[n] - without[n]).abs().max()) for n in without) > 1e-4
+
+
+# -- through the real trainer ------------------------------------------------------------------
+MOE_MODEL = ["actor_rollout_ref.model.config.model_type=qwen2_moe",
+             "actor_rollout_ref.model.config.num_hidden_layers=3",
+             "actor_rollout_ref.model.config.num_experts=4",
+             "actor_rollout_ref.model.config.num_experts_per_tok=2",
+             "actor_rollout_ref.model.config.moe_intermediate_size=32",
+             "actor_rollout_ref.model.config.shared_expert_intermediate_size=64",
+             "actor_rollout_ref.model.config.norm_topk_prob=false",
+             "actor_rollout_ref.model.config.mlp_only_layers=[0]",
+             "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]
+
+
+def _trainer_step(replay, tmp):
+    """One PPO step of the tiny MoE (3 layers, the first dense) through engine.trainer at EP 2.
+    Each router call of the actor's first forward (old log-probs, with the weights the rollout
+    also holds) is compared with the router's own top-k, over the tokens the rollout ran: with
+    replay it routes as the rollout did, which with equal weights is the router's own choice.
+    Replaying another layer's record (the MoE ordinal) agrees on ~5-40% of tokens."""
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from engine.train import build
+    from engine.trainer import Trainer, set_seed
+    from parallel.shards import iter_global
+
+    cfg = load_config(DEMO, ["trainer.n_gpus_per_node=2", "trainer.logger=[]", "trainer.test_freq=-1",
+                             "trainer.resume_mode=disable", "trainer.save_freq=-1",
+                             "trainer.val_before_train=false",
+                             f"trainer.default_local_dir={tmp}/ckpt", f"trainer.log_dir={tmp}/logs/{dist.get_rank()}",
+                             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                             f"actor_rollout_ref.actor.router_replay={str(replay).lower()}", *MOE_MODEL])
+    set_seed(cfg.trainer.seed)
+    derived, components = build(cfg, 2)
+    t = Trainer(derived, components)
+    before = {n: w.clone() for n, w in iter_global(t.actor.chunks)}
+    calls, inputs = {}, []
+    pad = t.actor.pad_token_id
+
+    def fed(tokens, cu):
+        """Tokens the rollout ran: each sequence but its last token; no padding segment."""
+        keep = torch.zeros(tokens.numel(), dtype=torch.bool)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            if not bool((tokens.reshape(-1)[a:b] == pad).all()):
+                keep[a:b - 1] = True
+        return keep
+
+    def compare(mod, inp, outp, L):
+        logits = torch.nn.functional.linear(inp[0].reshape(-1, mod.weight.shape[1]), mod.weight)
+        own = torch.zeros_like(outp[1], dtype=torch.bool).scatter_(1, logits.topk(2, -1).indices, True)
+        keep = fed(*inputs[-1])
+        calls.setdefault(L, []).append(float((own == outp[1].bool()).all(-1)[keep].float().mean()))
+
+    model = t.actor.models[0]
+    model.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(
+        (args[0], kwargs["packed_seq_params"].cu_seqlens_q)), with_kwargs=True)
+    for layer in model.decoder.layers:
+        if getattr(layer.mlp, "router", None) is not None:
+            layer.mlp.router.register_forward_hook(lambda m, i, o, L=layer.layer_number - 1: compare(m, i, o, L))
+    metrics = t.train_step(t.loader.next_batch())
+    t.hybrid.to_training()
+    t.rollout.shutdown()
+    moved = max(float((w - before[n]).abs().max()) for n, w in iter_global(t.actor.chunks))
+    return dict(first=({L: c[0] for L, c in calls.items()}), moved=moved,
+                grad_norm=metrics["actor/grad_norm"])
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no_replay"])
+def test_ep2_moe_ppo_step_through_the_trainer(replay, tmp_path):
+    for res in run_on_ranks(_trainer_step, 2, replay, str(tmp_path)):
+        assert sorted(res["first"]) == [1, 2]  # layer 0 dense
+        # the actor's first forward routes every token the rollout ran as the rollout did, at
+        # every MoE layer (with the rollout's weights: the router's own choice, bar float ties)
+        assert min(res["first"].values()) > 0.97, res["first"]
+        assert res["moved"] > 0 and res["grad_norm"] > 0
