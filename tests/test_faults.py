@@ -60,20 +60,16 @@ def test_nans_in_a_row_roll_back_to_the_last_checkpoint_with_a_lower_lr(tmp_path
 
 
 def test_an_out_of_memory_retries_with_half_the_micro_batch(tmp_path):
-    """Same final weights as a run that started at the smaller size (rank 0 alone ran out)."""
+    """DP 2 under torchrun, rank 0 alone runs out: the run goes on at half the micro-batch. (The
+    update is micro-batch invariant, so weights cannot show the halving: the sizes each rank
+    actually used are checked at TP 2 / PP 2 below.)"""
     rc, out, _ = _run(tmp_path, "oom", ["trainer.save_freq=-1"], 2,
                       [{"kind": "oom", "step": 1, "micro": 1, "rank": 0, "model": "actor"}])
     assert rc == 0, out[-3000:]
     assert "out of memory in a micro-batch: retrying with micro-batches of 2 sequences" in out
-    rc, out2, _ = _run(tmp_path, "small", ["trainer.save_freq=-1",
-                                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"], 2)
-    assert rc == 0, out2[-3000:]
     records = _records(tmp_path, "oom")
-    assert records[0]["actor/oom_retries"] == 1 and records[1]["actor/oom_retries"] == 0  # size kept
-    a, b = _weights(tmp_path, "oom", 2), _weights(tmp_path, "small", 2)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4, msg=k)
+    assert [r["actor/oom_retries"] for r in records] == [1, 0]
+    assert all(r["actor/skipped_updates"] == 0 and r["actor/grad_norm"] > 0 for r in records)  # no step lost
 
 
 def test_a_hung_rank_ends_the_job_with_the_rank_phase_and_collective(tmp_path):

@@ -81,3 +81,15 @@ def test_ranks_of_one_replica_score_once_and_hold_the_same_rewards(tmp_path, lay
     (tmp_path / "reward.py").write_text(RANDOM_REWARD)
     ranks = run_on_ranks(_scored_steps, 2, str(tmp_path), [f"actor_rollout_ref.actor.megatron.{layout}=2"])
     _check(tmp_path, ranks, samples_per_replica=8)
+
+
+@pytest.mark.slow  # 4 ranks on the CI's 2 cores; the TP 2 / PP 2 cases above are the fast siblings
+def test_dp2_tp2_each_replica_scores_its_own_samples_once(tmp_path):
+    """4 ranks, two replicas of TP 2: each replica's first rank scores that replica's samples."""
+    (tmp_path / "reward.py").write_text(RANDOM_REWARD)
+    tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",  # 4 sequences per DP rank
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
+    ranks = run_on_ranks(_scored_steps, 4, str(tmp_path), tp2)
+    _check(tmp_path, ranks, samples_per_replica=4)
