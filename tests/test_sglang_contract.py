@@ -278,7 +278,9 @@ def test_adapter_builds_exactly_the_declared_arguments():
     with pytest.raises(ValueError, match="gpu_memory_utilization=1.5"):
         engine_kwargs("/m", "bfloat16", "dummy", 1, 1.5, 4096, 0, False, False)
     params = sampling_dict(SamplingParams(n=2, temperature=0.7, top_k=5, max_new_tokens=9, seed=3,
-                                          stop_token_ids=(7,)), eos_token_ids=[2])
+                                          stop_token_ids=(7,)), eos_token_ids=[2], seed=3)
+    # the sampling's own seed is not sent: sglang reads sampling_seed only in deterministic mode
+    assert "sampling_seed" not in sampling_dict(SamplingParams(seed=3), [2])
     assert sorted(params) == sorted(set(USED_API["SamplingParams"]) - {"ignore_eos"})
     assert sampling_dict(SamplingParams(ignore_eos=True), [2])["ignore_eos"] is True
     assert params["stop_token_ids"] == [2, 7] and params["sampling_seed"] == 3

@@ -239,6 +239,8 @@ class RolloutConfig:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # always generate response_length tokens (throughput benchmarks)
+    # sglang: enable_deterministic_inference + a seed per sample (bit-identical resume); cpu: always
+    deterministic: bool = False
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 

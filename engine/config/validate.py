@@ -196,6 +196,9 @@ def _validate_rollout(cfg: TridentConfig) -> None:
         _fail(f"{p}.name", "sglang", "SGLang needs a GPU but trainer.device='cpu'; use rollout.name=cpu")
     if r.name == "hf" and cfg.trainer.device == "cpu":
         _fail(f"{p}.name", "hf", "the transformers GPU rollout needs trainer.device='cuda'; use rollout.name=cpu")
+    if r.deterministic and r.name == "hf":
+        _fail(f"{p}.deterministic", True, "the transformers rollout has no batch-invariant GPU kernels; "
+              "use rollout.name=sglang (enable_deterministic_inference) or deterministic=false")
 
 
 def sglang_test_double() -> bool:

@@ -13,6 +13,7 @@ tests/test_sglang_contract.py checks each against the source of the pinned wheel
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -112,21 +113,29 @@ def engine_kwargs(model_path: str, dtype: str, load_format: str, tensor_model_pa
     return out
 
 
-def sampling_dict(sampling: SamplingParams, eos_token_ids: Sequence[int]) -> dict:
+def sampling_dict(sampling: SamplingParams, eos_token_ids: Sequence[int], seed: Optional[int] = None) -> dict:
     """Our SamplingParams -> sglang's per-request dict (keys are USED_API['SamplingParams']).
 
     sglang turns temperature 0 into greedy (top_k=1, temperature 1), matching ours.
-    ``sampling_seed`` only takes effect when the engine runs with
-    ``enable_deterministic_inference=True``.
+    ``seed`` becomes ``sampling_seed``, which sglang reads only when the engine runs with
+    ``enable_deterministic_inference=True`` (sglang/srt/sampling/sampling_batch_info.py; a request
+    without one then gets 42), so it is sent only then: see ``SGLangRollout.generate``.
     """
     params = dict(n=sampling.n, temperature=0.0 if sampling.greedy else sampling.temperature,
                   top_p=sampling.top_p, top_k=sampling.top_k, max_new_tokens=sampling.max_new_tokens,
                   stop_token_ids=sorted(set(eos_token_ids) | set(sampling.stop_token_ids)))
-    if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed
+    if seed is not None:
+        params["sampling_seed"] = seed
     if sampling.ignore_eos:
         params["ignore_eos"] = True
     return params
+
+
+def request_seed(seed: Optional[int], key: int, sample: int) -> int:
+    """The sampling seed of sample j of the prompt keyed `key`: sglang draws from
+    (seed, token position), so the n samples of a prompt need seeds of their own, and a
+    prompt's seeds must not depend on the batch it lands in (a resumed run rebatches)."""
+    return hash((0 if seed is None else int(seed), int(key), int(sample))) & ((1 << 63) - 1)
 
 
 def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = None,
@@ -187,6 +196,7 @@ class SGLangRollout(RolloutEngine):
         import sglang  # lazy: GPU-only dependency
 
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.deterministic = enable_deterministic_inference
         self.record_routing = record_routing
         self.routing_top_k = getattr(hf_config, "num_experts_per_tok", None) if record_routing else None
         self.routing_layers = getattr(hf_config, "num_hidden_layers", None)
@@ -202,7 +212,9 @@ class SGLangRollout(RolloutEngine):
         self.serves = kwargs.get("node_rank", 0) == 0
         if not self.serves:  # node_rank >= 1 of a multi-node engine: start, do not block
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
-        self.engine = sglang.Engine(**kwargs, **extra_server_args)
+        from engine.rollout.update_group import engine_environment
+        with engine_environment():  # its scheduler processes start now, and keep this environment
+            self.engine = sglang.Engine(**kwargs, **extra_server_args)
         self.update_group = None  # the weight-update group's name, once joined
 
     @staticmethod
@@ -271,7 +283,15 @@ class SGLangRollout(RolloutEngine):
         prompts = [list(p) for p in prompt_ids]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: prompt_ids must be a non-empty list of non-empty token id lists")
-        results = self.engine.generate(input_ids=prompts, sampling_params=sampling_dict(sampling, self.eos_token_ids),
+        if self.deterministic:  # one request per sample, each with its own seed
+            keys = list(range(len(prompts))) if keys is None else list(keys)
+            one = dataclasses.replace(sampling, n=1)
+            inputs = [p for p in prompts for _ in range(sampling.n)]
+            params = [sampling_dict(one, self.eos_token_ids, request_seed(sampling.seed, k, j))
+                      for k in keys for j in range(sampling.n)]
+        else:
+            inputs, params = prompts, sampling_dict(sampling, self.eos_token_ids)
+        results = self.engine.generate(input_ids=inputs, sampling_params=params,
                                        return_logprob=True, return_routed_experts=self.record_routing)
         # sglang returns prompt-major order: all n samples of prompt 0, then prompt 1, ...
         prompt_index = [i for i in range(len(prompts)) for _ in range(sampling.n)]

@@ -15,7 +15,9 @@ broadcast, engine k of its group joining at rank_offset 1 + the TP sizes of the 
 """
 from __future__ import annotations
 
+import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -97,11 +99,19 @@ def open_as_sender(address: str, port: int, world_size: int, name: str, backend:
     return pg
 
 
-def without_agent_store(environ) -> None:
-    """Build a pool's engines without torchrun's TORCHELASTIC_USE_AGENT_STORE: their workers
-    inherit this process's environment, and with it torch's tcp:// rendezvous would wait for a
-    store hosted by torchrun's agent instead of connecting to the sender's."""
-    environ.pop(AGENT_STORE_ENV, None)
+@contextmanager
+def engine_environment(environ=os.environ):
+    """The environment an SGLang engine is built in: without torchrun's
+    TORCHELASTIC_USE_AGENT_STORE. The engine's scheduler processes inherit the environment as it
+    is when they start; with it, torch's tcp:// rendezvous (their TP group, the weight-update
+    group) would wait for a store hosted by torchrun's agent instead of hosting or reaching its
+    own. Restored afterwards: this process keeps torchrun's setting for its own rendezvous."""
+    saved = environ.pop(AGENT_STORE_ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            environ[AGENT_STORE_ENV] = saved
 
 
 def broadcast_bucket(pg, named_tensors) -> int:

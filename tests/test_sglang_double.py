@@ -1,0 +1,213 @@
+"""The SGLang double behaving like SGLang where the GPU path depends on it, and the adapter
+(engine/rollout/sglang.py) against it: the engine's scheduler processes (one per TP rank, joining
+their group with torch's tcp:// rendezvous in the environment they inherited: a colocated engine
+under torchrun must not hand them TORCHELASTIC_USE_AGENT_STORE), the arguments a real engine
+refuses, deterministic inference (ServerArgs + a seed per request) and block-FP8 model dirs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_e2e import ROOT, TINY
+
+FAKES = os.path.join(ROOT, "tests", "fakes")
+AGENT = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@pytest.fixture
+def double(monkeypatch):
+    """The double importable as `sglang` in this process (and its spawned children)."""
+    monkeypatch.syspath_prepend(FAKES)
+    import sglang
+    sglang.RECORDS.clear()
+    yield sglang
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        sys.modules.pop(name)
+
+
+def tiny_model_dir(path, heads=2, **extra):
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=heads,
+                num_key_value_heads=heads, vocab_size=64, **extra).save_pretrained(str(path))
+    return str(path)
+
+
+def inits(records):
+    return [e for e in records if e["kind"] == "init"]
+
+
+def test_colocated_engine_starts_under_torchrun(tmp_path):
+    """The real trainer under torchrun (which sets TORCHELASTIC_USE_AGENT_STORE=True in every
+    worker), a colocated TP-2 engine: its scheduler processes join their group, and the run ends."""
+    log = tmp_path / "sglang.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, FAKES]),
+               TRIDENT_FAKE_SGLANG_LOG=str(log), TRIDENT_FAKE_SGLANG_DIST_TIMEOUT_S="20")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "engine.train", os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), *TINY,
+           "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
+           "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=sglang",
+           "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+           f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    init, = inits(records)
+    assert [(s["tp_rank"], s["gpu_id"], s[AGENT]) for s in init["schedulers"]] == [(0, 0, None), (1, 1, None)]
+    # the training process keeps torchrun's environment for its own later rendezvous
+    assert all(e["trainer_env"][AGENT] == "True" for e in records if e["kind"] == "generate")
+    assert [e["kind"] for e in records].count("generate") >= 1
+
+
+def test_engine_environment_drops_only_the_agent_store(double, tmp_path, monkeypatch):
+    """The scheduler processes start without the agent store; the variable is back afterwards."""
+    from engine.rollout.sglang import SGLangRollout
+    monkeypatch.setenv(AGENT, "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rollout = SGLangRollout(None, model_path=tiny_model_dir(tmp_path / "m"))
+    try:
+        assert os.environ[AGENT] == "True"
+        (info,) = inits(double.RECORDS)[0]["schedulers"]
+        assert info[AGENT] is None and info["status"] == "ready"
+    finally:
+        rollout.shutdown()
+
+
+def test_agent_store_in_the_schedulers_fails_naming_the_variable(double, tmp_path, monkeypatch):
+    """What the GPU would do: the rendezvous waits for torchrun's agent store; the double bounds
+    the wait and names the variable."""
+    monkeypatch.setenv(AGENT, "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TRIDENT_FAKE_SGLANG_DIST_TIMEOUT_S", "3")
+    with pytest.raises(RuntimeError, match=f"inherited {AGENT}=True"):
+        double.Engine(model_path=tiny_model_dir(tmp_path / "m"), tp_size=1)
+
+
+@pytest.mark.parametrize("kwargs, env, message", [
+    (dict(tp_size=2, base_gpu_id=1), {"LOCAL_WORLD_SIZE": "2"}, "needs GPU 2, but this node has 2"),
+    (dict(tp_size=4), {"CUDA_VISIBLE_DEVICES": "0,1"}, "needs GPU 3, but this node has 2"),
+    (dict(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1"), {"WORLD_SIZE": "8"}, "does not split over nnodes=2"),
+    (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:1"), {"WORLD_SIZE": "8"}, "node ranks are 0..1"),
+    (dict(tp_size=2, nnodes=2), {"WORLD_SIZE": "8"}, "needs dist_init_addr"),
+    (dict(tp_size=4), {"WORLD_SIZE": "8"}, "num_attention_heads=2 .* not divisible by tp_size=4"),
+    (dict(tp_size=0), {}, "tp_size=0"),
+])
+def test_impossible_placements_are_refused(double, tmp_path, monkeypatch, kwargs, env, message):
+    for key in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        double.Engine(model_path=tiny_model_dir(tmp_path / "m"), **kwargs)
+    assert inits(double.RECORDS) == []  # nothing started
+
+
+def test_each_tp_rank_gets_its_own_process_and_gpu(double, tmp_path, monkeypatch):
+    """base_gpu_id 2 + TP 2 on a 4-GPU node: processes on GPUs 2 and 3, one world of 2."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    engine = double.Engine(model_path=tiny_model_dir(tmp_path / "m"), tp_size=2, base_gpu_id=2)
+    try:
+        infos = inits(double.RECORDS)[0]["schedulers"]
+        assert [(s["tp_rank"], s["gpu_id"]) for s in infos] == [(0, 2), (1, 3)]
+        assert len({s["pid"] for s in infos} | {os.getpid()}) == 3
+    finally:
+        engine.shutdown()
+    assert all(not proc.is_alive() for _, proc, _ in engine.schedulers)
+
+
+# -- deterministic inference (actor_rollout_ref.rollout.deterministic) ------------------------
+
+DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
+
+
+def _rollout_from_config(overrides):
+    """The trainer's own rollout construction (engine/train.py build_rollout) for the demo recipe."""
+    from engine.config import derive, load_config
+    from engine.loading import load_hf_config, load_tokenizer
+    from engine.train import build_rollout
+    cfg = load_config(DEMO, ["actor_rollout_ref.rollout.name=sglang", "trainer.n_gpus_per_node=1", *overrides])
+    tokenizer = load_tokenizer(cfg)
+    derived = derive(cfg, 1, dataset_len=1 << 30)
+    hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
+    return hf_config, build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
+
+
+def _deterministic_run(on):
+    """On a 1-rank world (tests.multirank): the trainer's rollout for the demo recipe with
+    rollout.deterministic=on, and two generations through the adapter."""
+    from engine.rollout.base import SamplingParams
+    sys.path.insert(0, FAKES)
+    try:
+        import sglang
+        sglang.RECORDS.clear()
+        import torch
+        from transformers import AutoModelForCausalLM
+        hf_config, group = _rollout_from_config([f"actor_rollout_ref.rollout.deterministic={str(on).lower()}",
+                                                 "actor_rollout_ref.rollout.seed=5"])
+        torch.manual_seed(0)
+        group.engine.begin_weight_update()
+        group.engine.update_weights(list(AutoModelForCausalLM.from_config(hf_config).state_dict().items()))
+        group.engine.finish_weight_update()
+        sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=11)
+        both = group.engine.generate(PROMPTS, sampling, keys=[40, 41, 42])
+        alone = group.engine.generate([PROMPTS[1]], sampling, keys=[41])
+        group.shutdown()
+        return dict(records=list(sglang.RECORDS), both=(both.responses, both.log_probs),
+                    alone=(alone.responses, alone.log_probs))
+    finally:
+        sys.path.remove(FAKES)
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            sys.modules.pop(name)
+
+
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_deterministic_key_drives_the_engine_and_the_request_seeds(on):
+    from engine.rollout.sglang import request_seed
+    from tests.multirank import run_on_ranks
+    (got,) = run_on_ranks(_deterministic_run, 1, on)
+    (init,) = inits(got["records"])
+    assert init["kwargs"]["enable_deterministic_inference"] is on and init["kwargs"]["random_seed"] == 5
+    call = [e for e in got["records"] if e["kind"] == "generate"][0]
+    if not on:  # one request per prompt, n samples, no seed (sglang would ignore it)
+        assert call["prompts"] == PROMPTS and call["sampling_params"]["n"] == 3
+        assert "sampling_seed" not in call["sampling_params"]
+        return
+    # one request per sample, each with the seed of (seed, key, sample)
+    assert call["prompts"] == [p for p in PROMPTS for _ in range(3)]
+    assert [p["sampling_seed"] for p in call["sampling_params"]] == [
+        request_seed(11, k, j) for k in (40, 41, 42) for j in range(3)]
+    assert all(p["n"] == 1 for p in call["sampling_params"])
+    responses, logps = got["both"]
+    assert len({tuple(r) for r in responses[:3]}) > 1  # a prompt's samples differ
+    # a prompt draws the same responses in another batch (a resumed run rebatches)
+    assert got["alone"] == (responses[3:6], logps[3:6])
+
+
+def test_double_refuses_a_seed_the_engine_would_ignore(double, tmp_path, monkeypatch):
+    """Real sglang reads sampling_seed only with enable_deterministic_inference."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    engine = double.Engine(model_path=tiny_model_dir(tmp_path / "m"), tp_size=1)
+    try:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path / "m")))
+        engine.rollout.update_weights(list(model.state_dict().items()))
+        engine.rollout.finish_weight_update()
+        params = dict(n=1, temperature=1.0, max_new_tokens=2, sampling_seed=3)
+        with pytest.raises(ValueError, match="enable_deterministic_inference"):
+            engine.generate(input_ids=[[1, 2]], sampling_params=params)
+        del params["sampling_seed"]
+        assert len(engine.generate(input_ids=[[1, 2]], sampling_params=params)) == 1
+    finally:
+        engine.shutdown()
+
+
+def test_deterministic_is_refused_where_nothing_makes_it_true():
+    from engine.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.deterministic=True: .*transformers"):
+        load_config(DEMO, ["actor_rollout_ref.rollout.name=hf", "trainer.device=cuda",
+                           "actor_rollout_ref.rollout.deterministic=true"])
