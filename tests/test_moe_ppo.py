@@ -52,7 +52,7 @@ def moe_batch(vocab, layers, seed=3):
                  non_tensors=dict(routed_experts=routed))
 
 
-def _update(layout_kwargs, replay, recompute=None, micro=1):
+def _update(layout_kwargs, replay, recompute=None, micro=1, max_tokens=None):
     from megatron.core import parallel_state as ps
 
     from engine.config import ActorConfig, MegatronConfig, ModelConfig, OptimConfig
@@ -65,7 +65,8 @@ def _update(layout_kwargs, replay, recompute=None, micro=1):
     how = dict(full=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
                selective=dict(recompute_granularity="selective")).get(recompute, {})
     meg = MegatronConfig(params_dtype="float32", use_distributed_optimizer=True, **how)
-    cfg = ActorConfig(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=micro, megatron=meg,
+    dynamic = dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=max_tokens) if max_tokens else {}
+    cfg = ActorConfig(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=micro, megatron=meg, **dynamic,
                       optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0),
                       router_replay=replay, use_kl_loss=False, entropy_coeff=0.0, clip_ratio=0.2)
     actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=R)
@@ -75,7 +76,7 @@ def _update(layout_kwargs, replay, recompute=None, micro=1):
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
     actor.mini_batch_size_per_rank = len(mine)
-    old = actor.compute_log_prob(mine, micro_batch_size=2)
+    old = actor.compute_log_prob(mine, micro_batch_size=None if max_tokens else 2, max_tokens=max_tokens)
     mine["old_log_probs"] = old + mine["noise"] * mine["response_mask"]
     metrics = actor.update_policy(mine)
     return dict(metrics=metrics, weights=dict(iter_global(actor.chunks, "param")), rank=rank, old=old)
@@ -123,6 +124,14 @@ CASES = [  # name, world, layout, router replay, recompute
 def test_moe_update_equals_one_process(world, layout, replay, recompute):
     got = _merged(run_on_ranks(_update, world, layout, replay, recompute))
     _assert_same_update(got, _reference(replay))
+
+
+def test_ep2_dynamic_batching_runs_as_many_micro_batches_on_every_ep_rank():
+    """Token-budget micro-batches: with 14 tokens the DP ranks' shares need 4 and 2 micro-batches
+    (tests: lengths 7 8 9 8 | 4 8 5 9); every MoE layer's dispatch is a collective over the EP
+    peers, so they must run as many (the smaller count splits further). Same update."""
+    got = _merged(run_on_ranks(_update, 2, dict(ep=2), True, None, max_tokens=14))
+    _assert_same_update(got, _reference(True))
 
 
 def test_replay_changes_the_update():

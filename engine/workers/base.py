@@ -22,7 +22,8 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch
 from engine.models.builder import build_model
-from engine.workers.routing import replay_in_backward, replay_routing, set_replay, start_replay
+from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
+                                    set_replay, start_replay)
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
 from parallel.packing import (cp_all_gather, cp_gather, cp_index, cp_localize, pack, round_up,
                               row_bounds)
@@ -268,7 +269,7 @@ class MegatronWorker:
         rows = list(range(len(batch))) if rows is None else list(rows)
         if max_tokens is not None:
             lengths = batch["attention_mask"][rows].sum(-1).tolist()
-            return [[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)]
+            return as_many_as_expert_peers([[rows[i] for i in g] for g in split_by_tokens(lengths, max_tokens)])
         return [[rows[i] for i in g] for g in split_by_count(len(rows), micro_batch_size)]
 
     def micro_batches(self, batch: Batch, *, micro_batch_size=None, max_tokens=None,

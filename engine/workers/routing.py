@@ -14,6 +14,9 @@ REPLAY_BACKWARD, so a recomputation inside a backward pass takes the oldest micr
 recomputed. Backward passes of one model chunk run in the order of its forwards (no pipelining,
 1F1B and interleaved 1F1B alike), so that is the micro-batch being back-propagated, not the
 latest one forwarded (which is what REPLAY_FORWARD would give under PP > 1).
+
+Also here, for MoE models under EP > 1: the DP ranks' token-budget micro-batches are made as
+many (`as_many_as_expert_peers`), since every MoE layer's dispatch is an EP collective.
 """
 from typing import List
 
@@ -85,3 +88,26 @@ def replay_in_backward(model) -> None:
     for _, replay in _replays(model):
         if replay.router_replay_action is not None:
             replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+
+def as_many_as_expert_peers(groups: List[List[int]]) -> List[List[int]]:
+    """Token-budget micro-batches (`split_by_tokens`) of a MoE model under EP > 1: every MoE
+    layer's token dispatch is a collective over the EP peers (other DP ranks), so each DP rank
+    must run as many micro-batches. The ranks agree on the largest count; a rank short of it
+    halves its largest micro-batches (subsets stay within the budget). Ranks hold as many rows
+    (the batch splits evenly over DP), so the count never exceeds a rank's rows."""
+    import torch.distributed as dist
+
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return groups
+    count = torch.tensor([len(groups)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+    groups = [list(g) for g in groups]
+    while len(groups) < int(count):
+        big = max(range(len(groups)), key=lambda i: (len(groups[i]), -i))
+        if len(groups[big]) < 2:
+            raise ValueError(f"{len(groups)} micro-batches of one row cannot become {int(count)} to match "
+                             "the EP peers; give every DP rank as many rows")
+        g = groups.pop(big)
+        groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
