@@ -10,9 +10,13 @@ rollout group the members pass handles of their copy to the leader, whose engine
 
 Colocation: training and rollout share the device, so the rollout gives its memory back while
 training runs (`HybridEngine.to_training`) and takes it again before the weights are sent
-(`HybridEngine.to_rollout`).
+(`HybridEngine.to_rollout`). Storage that training offloads goes to torch's caching allocator;
+before the rollout (other processes) resumes anything, `parallel.device_memory.return_to_device`
+hands it to the device. SGLang sizes its KV pool from the memory free when the engine starts, so
+engine/train.py builds the engines before the training models and `hand_back` releases them.
 """
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +24,7 @@ from engine.models import lora
 from engine.models.weights import megatron_to_hf
 from engine.config.phases import ROLLOUT_MEMORY
 from engine.rollout.base import RolloutEngine
+from parallel import device_memory
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
 
@@ -79,6 +84,24 @@ class _Solo:
 def as_group(rollout):
     """A rollout group (or None: the rollout lives on other ranks, a separate pool)."""
     return _Solo(rollout) if isinstance(rollout, RolloutEngine) else rollout
+
+
+_RELEASED = weakref.WeakSet()  # engines given back by hand_back: a HybridEngine starts with none of their memory
+
+
+def _barrier():
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def hand_back(rollout) -> None:
+    """Collective: an engine just built on a device training has not used yet gives all its memory
+    back (weights, KV cache, CUDA graphs) before the training models are placed; every rank waits,
+    so no rank allocates while an engine's worker on its GPU still holds its share."""
+    as_group(rollout).release_memory(None)
+    _RELEASED.add(rollout)
+    _barrier()
 
 
 def sync_plan(chunks):
@@ -142,7 +165,8 @@ class HybridEngine:
             raise ValueError(f"workers {sorted(self.workers)} do not match the schedule's models "
                              f"{sorted(schedule.models)}")
         self._plan = None  # ReshardPlan, or lora.MergePlan for a LoRA actor
-        self.rollout_memory = set(ROLLOUT_MEMORY)  # an engine starts with its memory taken
+        # an engine starts with its memory taken, unless hand_back gave it back
+        self.rollout_memory = set() if rollout in _RELEASED else set(ROLLOUT_MEMORY)
         self.record, self.log = False, []
 
     def _rollout_wanted(self, phase):
@@ -165,7 +189,13 @@ class HybridEngine:
             self.rollout.release_memory(sorted(gone))
         for tag in ROLLOUT_MEMORY:  # weights before the KV cache
             if tag in wanted and tag not in self.rollout_memory:
+                # what training freed is torch's cache until handed back to the device; every rank
+                # hands it back before the leader's engine resumes on the group's GPUs, and waits
+                # until it has (collective: every rank runs the same schedule)
+                device_memory.return_to_device()
+                _barrier()
                 self.rollout.resume_memory([tag])
+                _barrier()
         self.rollout_memory = set(wanted)
 
     def _models_to(self, phase):
@@ -175,7 +205,8 @@ class HybridEngine:
     def _note(self, phase):
         if self.record:
             self.log.append(dict(phase=phase, rollout=sorted(self.rollout_memory),
-                                 models={n: w.resident_bytes() for n, w in self.workers.items()}))
+                                 models={n: w.resident_bytes() for n, w in self.workers.items()},
+                                 device=dict(reserved=device_memory.reserved(), free=device_memory.free())))
 
     def enter(self, phase: str) -> None:
         """Move memory to what `phase` needs (not 'sync': use `sync()`)."""

@@ -183,6 +183,13 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     steps = cfg.trainer.total_training_steps
     pad = pad_token_id(tokenizer)
     response_length = arr.rollout.response_length
+    # the colocated engines first, on devices training has not touched: SGLang sizes its KV pool
+    # from the memory free when it starts (mem_fraction_static x that); then they give it back
+    separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
+    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
+    if rollout is not None:
+        from engine.hybrid import hand_back
+        hand_back(rollout)
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
     critic = ref = None
@@ -209,8 +216,6 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
             worker.optimizer.reload_model_params()
     if derived.use_reference and actor.lora is not None:
         ref = actor.base_reference()
-    separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
-    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     from engine.rewards import sandbox
     sandbox.configure(cfg.reward_model.sandbox)  # code rewards (and Ray reward workers) use it
     custom = None
@@ -233,6 +238,8 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
         else:
             reward_model = RewardModelWorker(rm_config, cfg.reward_model, pad_token_id=pad)
         load_hf_weights(reward_model.chunks, cfg.reward_model.model.path, hf_config=rm_config)
+    from parallel import device_memory
+    device_memory.track(actor, critic, ref, reward_model)  # what training holds on the device (CPU: simulated)
     checkpoints = None
     if cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable":
         from engine.checkpoint import CheckpointManager
@@ -269,7 +276,7 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     dtype=arr.actor.megatron.params_dtype, placement=placement,
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
-                    seed=r.seed, **record)
+                    seed=r.seed, enable_deterministic_inference=r.deterministic, **record)
     from engine.data import pad_token_id
     pad = pad_token_id(tokenizer)
     out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
@@ -293,9 +300,7 @@ def serve_pool(cfg, bridge, n_train):
     """A separate pool's rank: its part of the rollout groups, serving the trainers' requests."""
     from engine.config import derive
     from engine.rollout.pool import serve
-    from engine.rollout.update_group import without_agent_store
     from engine.trainer import Trainer
-    without_agent_store(os.environ)  # this rank's world is up; its engines' workers meet the trainers
     tokenizer = load_tokenizer(cfg)
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))

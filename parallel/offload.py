@@ -6,10 +6,17 @@ buffers, the optimizer holds references to them): each distinct *storage* is cop
 memory and resized to zero bytes, and on reload resized back and refilled, so every view and
 reference stays valid. On a CPU-only machine the copy is host to host — nothing is saved, but
 the mechanism is the one that runs on GPU (and is what the tests exercise).
+
+Freed storage goes back to torch's caching allocator, not to the device: another process (a
+colocated SGLang engine) can use it only after `parallel.device_memory.return_to_device()`,
+which engine/hybrid.py calls before the rollout resumes. Every move is reported to
+parallel.device_memory (on CPU its simulated allocator keeps the freed bytes reserved).
 """
 from typing import Dict, Iterable
 
 import torch
+
+from parallel import device_memory
 
 
 class Offloader:
@@ -24,6 +31,7 @@ class Offloader:
     def offload(self, tensors: Iterable[torch.Tensor], keep: Iterable[torch.Tensor] = ()) -> int:
         """Free the device storage behind `tensors`, except storage shared with `keep` (e.g.
         fp32 parameters that are also the optimizer's main parameters); returns bytes freed."""
+        device_memory.observe()  # what is about to be freed was allocated until now
         kept = {t.untyped_storage().data_ptr() for t in keep}
         freed = 0
         for t in tensors:
@@ -38,6 +46,7 @@ class Offloader:
             self._saved[key] = (storage, host)
             freed += storage.nbytes()
             storage.resize_(0)
+        device_memory.observe()
         return freed
 
     def reload(self) -> int:
@@ -50,6 +59,7 @@ class Offloader:
         if self.pin_memory:
             torch.cuda.current_stream().synchronize()
         self._saved.clear()
+        device_memory.observe()
         return restored
 
     @property
