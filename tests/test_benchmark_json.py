@@ -1,0 +1,96 @@
+"""Each tools/benchmark.py subcommand run as a user runs it, at its smallest size, and the JSON its
+--json writes checked against what the run must have measured (independent references: the
+kernels' checksums recomputed here, the model's size from transformers, the SGLang double's own
+record of the engine it built). `all` (every subcommand at its defaults: minutes and GBs) is not
+run here."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "tools", "benchmark.py")
+FAKES = os.path.join(ROOT, "tests", "fakes")
+
+
+def _bench(tmp_path, *args, env=None, timeout=300):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, BENCH, *args, "--json", str(out)], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_step_json_through_the_sglang_double_on_the_callers_path(tmp_path):
+    """The trainer is launched with the caller's PYTHONPATH kept (gpu_check.sh puts megatron-core
+    from .whl/ there; here the SGLang double is only importable through it)."""
+    log = tmp_path / "sglang.jsonl"
+    report = _bench(tmp_path, "step", "--workload", "tiny", "--nproc", "1", "--steps", "1", "--warmup", "0",
+                    "actor_rollout_ref.rollout.name=sglang",
+                    env=dict(PYTHONPATH=FAKES, TRIDENT_FAKE_SGLANG_LOG=str(log)))
+    kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
+    assert kinds.count("init") == 1 and "update_weights_from_tensor" in kinds
+    assert report["workload"] == "tiny" and report["nproc"] == 1
+    assert report["steps"] == 1
+    assert report["step_s"] > 0 and report["tokens_per_s_per_rank"] > 0 and report["tokens_per_step"] > 0
+    # throughput is tokens over the step's time, per rank
+    assert report["tokens_per_s_per_rank"] == pytest.approx(report["tokens_per_step"] / report["step_s"], rel=0.05)
+    assert {"gen", "update_actor"} <= set(report["phases_s"])
+    assert sum(report["phases_s"].values()) <= report["step_s"] * 1.01
+    assert report["wall_s"] > report["step_s"]
+
+
+def test_kernels_json_checksums_match_a_log_softmax_computed_here(tmp_path):
+    tokens, hidden, vocab = 48, 16, 200
+    report = _bench(tmp_path, "kernels", "--tokens", str(tokens), "--hidden", str(hidden), "--vocab",
+                    str(vocab), "--repeat", "1", "--chunk-tokens", "16")
+    assert report["shape"] == dict(tokens=tokens, hidden=hidden, vocab=vocab, dtype="float32",
+                                   temperature=1.0, chunk_tokens=16)
+    gen = torch.Generator().manual_seed(0)  # the worker's inputs, drawn in the same order
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    logp = (h @ w.T).double().log_softmax(-1)
+    want_lp = float(logp.gather(-1, labels[:, None]).sum())
+    want_ent = float(-(logp.exp() * logp).sum())
+    for path in ("naive", "fused", "single"):
+        assert report[path]["logprob_sum"] == pytest.approx(want_lp, rel=1e-5), path
+        assert report[path]["entropy_sum"] == pytest.approx(want_ent, rel=1e-5), path
+        assert report[path]["time_s"] > 0 and len(report[path]["times_s"]) == 2  # warm-up + 1
+    for path in ("fused", "single"):
+        ratios = report[f"{path}_ratios"]
+        assert ratios["time"] == pytest.approx(report[path]["time_s"] / report["naive"]["time_s"])
+        assert ratios["max_checksum_rel_diff"] < 1e-4
+
+
+def test_reshard_json_moves_the_whole_model_in_buckets(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, ROOT)
+    from tools.bench_reshard import model_config
+
+    report = _bench(tmp_path, "reshard", "--size-mb", "2", "--bucket-mb", "0.5", "--hidden", "32",
+                    "--vocab", "256", "--repeat", "1")
+    args = type("Args", (), dict(size_mb=2, hidden=32, vocab=256))
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(args)).parameters())
+    assert report["model_mb"] == pytest.approx(params * 4 / 2 ** 20, rel=1e-6)
+    assert report["world_size"] == 2 and len(report["layouts"]) == 2
+    for layout, r in report["layouts"].items():
+        assert r["buckets"] >= math.ceil(report["model_mb"] / 0.5), layout  # 0.5 MiB buckets
+        assert r["gb_per_s"] == pytest.approx(report["model_mb"] * 2 ** 20 / r["seconds"] / 1e9)
+        assert r["ratio_to_copy"] == pytest.approx(r["seconds"] / report["copy_s"])
+
+
+@pytest.mark.slow
+def test_pool_json_off_policy_against_on_policy(tmp_path):
+    report = _bench(tmp_path, "pool", "--steps", "2", "--train-ranks", "1", "--pool-ranks", "1",
+                    "--response-length", "4", timeout=600)
+    on, off = report["on_policy"], report["off_policy"]
+    assert on["steps"] == off["steps"] == 2 and report["ranks"] == 2
+    assert report["ratio"] == pytest.approx(off["step_s"] / on["step_s"])
+    assert set(on["staleness"]) <= {0, None} and off["staleness"][-1] == 1
