@@ -158,7 +158,21 @@ MOE_MODEL = ["actor_rollout_ref.model.config.model_type=qwen2_moe",
              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]
 
 
-def _trainer_step(replay, tmp):
+def _trainer_step(replay, tmp, rollout="cpu"):
+    import sys
+    fakes = os.path.join(ROOT, "tests", "fakes")
+    if rollout == "sglang":  # the double (tests/fakes): routed experts as SGLang's meta_info sends them
+        sys.path.insert(0, fakes)
+    try:
+        return _trainer_step_with(replay, tmp, rollout)
+    finally:
+        if rollout == "sglang":
+            sys.path.remove(fakes)
+            for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+                sys.modules.pop(name)
+
+
+def _trainer_step_with(replay, tmp, rollout):
     """One PPO step of the tiny MoE (3 layers, the first dense) through engine.trainer at EP 2.
     Each router call of the actor's first forward (old log-probs, with the weights the rollout
     also holds) is compared with the router's own top-k, over the tokens the rollout ran: with
@@ -176,7 +190,8 @@ def _trainer_step(replay, tmp):
                              "trainer.val_before_train=false",
                              f"trainer.default_local_dir={tmp}/ckpt", f"trainer.log_dir={tmp}/logs/{dist.get_rank()}",
                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-                             f"actor_rollout_ref.actor.router_replay={str(replay).lower()}", *MOE_MODEL])
+                             f"actor_rollout_ref.actor.router_replay={str(replay).lower()}",
+                             f"actor_rollout_ref.rollout.name={rollout}", *MOE_MODEL])
     set_seed(cfg.trainer.seed)
     derived, components = build(cfg, 2)
     t = Trainer(derived, components)
@@ -196,7 +211,9 @@ def _trainer_step(replay, tmp):
         logits = torch.nn.functional.linear(inp[0].reshape(-1, mod.weight.shape[1]), mod.weight)
         own = torch.zeros_like(outp[1], dtype=torch.bool).scatter_(1, logits.topk(2, -1).indices, True)
         keep = fed(*inputs[-1])
-        calls.setdefault(L, []).append(float((own == outp[1].bool()).all(-1)[keep].float().mean()))
+        action = getattr(mod.router_replay, "router_replay_action", None)  # the record reached it
+        calls.setdefault(L, []).append((float((own == outp[1].bool()).all(-1)[keep].float().mean()),
+                                        getattr(action, "value", None)))
 
     model = t.actor.models[0]
     model.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(
@@ -208,15 +225,18 @@ def _trainer_step(replay, tmp):
     t.hybrid.to_training()
     t.rollout.shutdown()
     moved = max(float((w - before[n]).abs().max()) for n, w in iter_global(t.actor.chunks))
-    return dict(first=({L: c[0] for L, c in calls.items()}), moved=moved,
+    return dict(first={L: c[0][0] for L, c in calls.items()}, actions={c[0][1] for c in calls.values()},
+                moved=moved,
                 grad_norm=metrics["actor/grad_norm"])
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no_replay"])
-def test_ep2_moe_ppo_step_through_the_trainer(replay, tmp_path):
-    for res in run_on_ranks(_trainer_step, 2, replay, str(tmp_path)):
+@pytest.mark.parametrize("replay,rollout", [(True, "cpu"), (True, "sglang"), (False, "cpu")],
+                         ids=["replay", "replay_sglang_double", "no_replay"])
+def test_ep2_moe_ppo_step_through_the_trainer(replay, rollout, tmp_path):
+    for res in run_on_ranks(_trainer_step, 2, replay, str(tmp_path), rollout):
         assert sorted(res["first"]) == [1, 2]  # layer 0 dense
         # the actor's first forward routes every token the rollout ran as the rollout did, at
         # every MoE layer (with the rollout's weights: the router's own choice, bar float ties)
         assert min(res["first"].values()) > 0.97, res["first"]
+        assert res["actions"] == ({"replay_forward"} if replay else {None})
         assert res["moved"] > 0 and res["grad_norm"] > 0
