@@ -181,7 +181,7 @@ class Trainer:
                     batch["old_log_probs"] = out["log_prob"]
                     if self.full_kl_in_reward:
                         batch["old_full_kl"] = out["full_kl"]
-                if "rollout_log_probs" in batch:  # the rollout's numbers against training's
+                if "rollout_log_probs" in batch and "old_log_probs" in batch:  # rollout's vs training's
                     metrics.update(self._rollout_probs_diff(batch))
             if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
                 self._reference_pass(batch, timings)
