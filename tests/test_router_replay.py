@@ -137,3 +137,43 @@ def test_replay_routes_tokens_to_the_rollouts_experts(name, world, layout, packe
 def test_without_replay_the_perturbed_router_picks_other_experts():
     agree, total = _agreement(run_on_ranks(_routes, 1, False, {}, True))
     assert agree < total
+
+
+def _without_record_after_one_with():
+    from engine.batch import Batch
+    from engine.config import ActorConfig, MegatronConfig, ModelConfig
+    from engine.hybrid import sync_weights
+    from engine.rollout.cpu import CPURollout
+    from engine.workers.actor import ActorWorker
+    from parallel.mesh import Layout, init_mesh
+    from parallel.shards import load_global, local_shards
+
+    init_mesh(Layout(), seed=1)
+    hf = tiny_config("qwen2_moe")
+    out = {}
+    for replay in (True, False):
+        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, router_replay=replay,
+                          megatron=MegatronConfig(params_dtype="float32"))
+        actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=R)
+        shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
+        load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
+        rollout = CPURollout(hf, eos_token_ids=[], pad_token_id=0, record_routing=True)
+        sync_weights(actor.chunks, rollout, hf, bucket_megabytes=1)
+        batch, _ = rollout_batch(rollout, PROMPTS, R)
+        for layer in actor.models[0].decoder.layers:  # the training router disagrees with the record
+            if getattr(layer.mlp, "router", None) is not None:
+                with torch.no_grad():
+                    layer.mlp.router.weight.neg_()
+        replayed = actor.compute_log_prob(batch, micro_batch_size=2)
+        bare = Batch({k: batch[k] for k in ("input_ids", "attention_mask", "responses", "response_mask")})
+        out[replay] = (replayed, actor.compute_log_prob(bare, micro_batch_size=2))
+    return out
+
+
+def test_a_batch_without_a_record_routes_by_itself():
+    """After a replayed batch, one without routed_experts (no record) must not replay the last
+    micro-batch's routing: it gives the log-probs of an actor without replay."""
+    out = run_on_ranks(_without_record_after_one_with, 1)[0]
+    (replayed, bare), (_, own) = out[True], out[False]
+    assert float((replayed - own).abs().max()) > 1e-3  # the record is not the router's own choice
+    torch.testing.assert_close(bare, own, atol=1e-6, rtol=0)
