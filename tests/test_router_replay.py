@@ -61,7 +61,16 @@ def record_routers(models):
     return chosen, inputs
 
 
-def _routes(replay, layout_kwargs, packed):
+def _model(family):
+    """The tiny Qwen2-MoE (layer 0 dense), or a DeepSeek-V3 with first_k_dense_replace=2 (MLA,
+    sigmoid group-limited routing, 8 experts, top-4; MoE layers 2 and 3)."""
+    if family == "deepseek_v3":
+        from tests.test_hf_parity import deepseek_v3_config
+        return deepseek_v3_config(num_hidden_layers=4, first_k_dense_replace=2)
+    return tiny_config(family)
+
+
+def _routes(replay, layout_kwargs, packed, family="qwen2_moe"):
     from megatron.core import parallel_state as ps
 
     from engine.config import ActorConfig, MegatronConfig, ModelConfig
@@ -73,7 +82,7 @@ def _routes(replay, layout_kwargs, packed):
 
     layout = Layout(**layout_kwargs)
     init_mesh(layout, seed=1)
-    hf = tiny_config("qwen2_moe")
+    hf = _model(family)
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, router_replay=replay,
                       megatron=MegatronConfig(params_dtype="float32",
                                               sequence_parallel=layout.sequence_parallel))
@@ -93,6 +102,7 @@ def _routes(replay, layout_kwargs, packed):
     actor.compute_log_prob(batch, micro_batch_size=2)
     tokens, cu = inputs[0]
     return dict(tp_rank=ps.get_tensor_model_parallel_rank(), routed=out.routed_experts,
+                shape=(hf.num_hidden_layers, hf.num_experts_per_tok),
                 chosen={L: c[0] for L, c in chosen.items()}, tokens=tokens, cu=cu)
 
 
@@ -105,9 +115,10 @@ def _agreement(results):
     # packed: each sample starts at its cu_seqlens entry (a padding segment may follow them)
     starts = (cu[:-1].tolist() if cu is not None else [r * s for r in range(b)])[:len(routed)]
     moe = sorted(first["chosen"])
-    assert moe == [1, 2, 3]  # layer 0 is dense
-    for rec in routed:  # SGLang's layout: a row per hidden layer, the dense one empty (0)
-        assert rec.shape[1:] == (4, 2) and rec.dtype == torch.int32 and not rec[:, 0].any()
+    dense = [L for L in range(first["shape"][0]) if L not in moe]
+    assert dense and moe
+    for rec in routed:  # SGLang's layout: a row per hidden layer, the dense ones empty (0)
+        assert rec.shape[1:] == first["shape"] and rec.dtype == torch.int32 and not rec[:, dense].any()
     agree = total = 0
     for layer in moe:
         # under SP each TP rank routed its slice of the s-major [s, b] tokens: put them together
@@ -120,7 +131,7 @@ def _agreement(results):
                 1, routed[r][:, layer].long(), True)
             agree += int((row_major[start:start + n] == want).all(-1).sum())
             total += n
-    return agree, total
+    return agree, total, len(moe)
 
 
 LAYOUTS = [("tp1_packed", 1, {}, True), ("tp1_unpacked", 1, {}, False),
@@ -130,12 +141,18 @@ LAYOUTS = [("tp1_packed", 1, {}, True), ("tp1_unpacked", 1, {}, False),
 
 @pytest.mark.parametrize("name,world,layout,packed", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_replay_routes_tokens_to_the_rollouts_experts(name, world, layout, packed):
-    agree, total = _agreement(run_on_ranks(_routes, world, True, layout, packed))
-    assert total == 3 * sum(len(p) + R - 1 for p in PROMPTS) and agree == total
+    agree, total, moe = _agreement(run_on_ranks(_routes, world, True, layout, packed))
+    assert moe == 3 and total == moe * sum(len(p) + R - 1 for p in PROMPTS) and agree == total
+
+
+def test_deepseek_v3_with_dense_layers_replays_each_moe_layers_own_row():
+    """The issue's case: first_k_dense_replace (2 here), MoE layer k would replay layer k - 2."""
+    agree, total, moe = _agreement(run_on_ranks(_routes, 1, True, {}, True, "deepseek_v3"))
+    assert moe == 2 and total == moe * sum(len(p) + R - 1 for p in PROMPTS) and agree == total
 
 
 def test_without_replay_the_perturbed_router_picks_other_experts():
-    agree, total = _agreement(run_on_ranks(_routes, 1, False, {}, True))
+    agree, total, _ = _agreement(run_on_ranks(_routes, 1, False, {}, True))
     assert agree < total
 
 
