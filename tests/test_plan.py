@@ -168,3 +168,40 @@ def test_cpu_estimate_matches_measured_peak(case):
     print(f"\n{case[:3]} predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB "
           f"({(predicted - measured) / measured:+.1%})")
     assert abs(predicted - measured) <= TOLERANCE * measured
+
+
+def test_kv_pool_and_reserved_memory_follow_engine_start_and_cache():
+    """SGLang's pool is mem_fraction_static x the memory free when the engines start (before the
+    training models: the device less RESERVE_GIB) less the weights; training reserves the most it
+    allocated until its cache is handed back before a rollout resume."""
+    from engine.config import load_config
+    from tools.plan import GIB, RESERVE_GIB, estimate
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny_cpu_demo.yaml")
+    over = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+            "actor_rollout_ref.actor.megatron.param_offload=true",
+            "actor_rollout_ref.actor.megatron.optimizer_offload=true",
+            "actor_rollout_ref.actor.megatron.grad_offload=true"]
+    e = estimate(load_config(demo, over), 2, gpu_mem_gib=16, device="cuda")
+    start = (16 - RESERVE_GIB) * GIB
+    r = e["rollout"]
+    assert r["engine_start_free"] == start
+    assert r["kv_cache_per_gpu"] == pytest.approx(0.6 * start - r["weights_per_gpu"])
+    assert e["rollout_share"] == pytest.approx(0.6 * start)
+    phases, reserved = e["phases"], e["reserved"]
+    # emptied before the rollout resumes: what is allocated is all that is reserved
+    assert reserved["generate"] == phases["generate"] and reserved["sync"] == phases["sync"]
+    # after the update the offloaded states are freed into the cache: the update's peak stays
+    training = [p for p in ("reward", "old_log_prob", "ref", "values", "critic_update", "actor_update")
+                if p in phases]
+    assert phases["checkpoint"] < phases["actor_update"] == max(phases[p] for p in training)
+    assert reserved["checkpoint"] == phases["actor_update"]
+    assert reserved["ref"] == max(phases[p] for p in training[:training.index("ref") + 1])
+    assert e["free"] == pytest.approx(e["capacity"] - max(reserved.values()))
+    # an engine that never gives memory back: training's cache is never emptied
+    keep = estimate(load_config(demo, over + ["actor_rollout_ref.rollout.free_cache_engine=false"]), 2,
+                    gpu_mem_gib=16, device="cuda")
+    share = keep["rollout_share"]
+    assert keep["reserved"]["generate"] == pytest.approx(
+        max(v - share for v in keep["phases"].values()) + share)
+    assert keep["reserved"]["generate"] > keep["phases"]["generate"]

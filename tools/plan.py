@@ -6,10 +6,15 @@ What one model holds per rank (weights, grads, optimizer, activations by Korthik
 is tools/plan_memory.py's; this file adds the phases of the memory schedule
 (engine/config/phases.py), the rollout engines and the layout search.
 
-The rollout engine (SGLang) takes gpu_memory_utilization x GPU memory while it generates; the
-training state that is not offloaded (param/grad/optimizer_offload) stays beside it. A layout
-fits when both phases fit under the GPU memory less RESERVE_GIB (CUDA context, NCCL buffers,
-allocator fragmentation).
+The rollout engines (SGLang) start before the training models, on a device holding only the
+CUDA context and NCCL buffers (RESERVE_GIB), and size their KV pool as SGLang does from what is
+free then: weights + KV pool = gpu_memory_utilization x (GPU memory - RESERVE_GIB)
+(sglang/srt/mem_cache/kv_cache_configurator.py). The training state that is not offloaded
+(param/grad/optimizer_offload) stays beside them while they generate. Per phase the plan gives
+what is allocated and what is reserved: the training process keeps the most it allocated since
+its cache was last handed back to the device (before every rollout resume: engine/config/phases.py
+cache_emptied). A layout fits when every phase's reserved memory fits under the GPU memory less
+RESERVE_GIB (CUDA context, NCCL buffers, allocator fragmentation).
 """
 import json
 import math
@@ -118,34 +123,42 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
         actor["activations" if in_loss else "forward_activations"] += extra  # update | old pass
         actor["total"] += extra if in_loss else 0
     capacity = gpu_mem_gib * GIB - (RESERVE_GIB * GIB if device == "cuda" else 0)
-    rollout_share = arr.rollout.gpu_memory_utilization * gpu_mem_gib * GIB if device == "cuda" else 0.0
+    # free when the engines start (before the training models): SGLang's share is a fraction of it
+    engine_start_free = capacity if device == "cuda" else 0.0
+    rollout_share = arr.rollout.gpu_memory_utilization * engine_start_free
     rollout = rollout_plan(c, world_size, shape, rollout_share, device)
+    rollout["engine_start_free"] = engine_start_free
     bucket = arr.rollout.update_weights_bucket_megabytes * (1 << 20)
-    phases = phase_peaks(d.phases, models, rollout, rollout_share, bucket, log_prob_tokens, shape, lay)
-    peak_phase = max(phases, key=phases.get)
+    phases, rollout_held = phase_peaks(d.phases, models, rollout, rollout_share, bucket, log_prob_tokens,
+                                       shape, lay, split=True)
+    training_alloc = {k: v - rollout_held[k] for k, v in phases.items()}
+    reserved = {k: v + rollout_held[k] for k, v in d.phases.reserved(training_alloc).items()}
+    peak_phase = max(reserved, key=reserved.get)
     training = max(v for k, v in phases.items() if k not in ROLLOUT_PHASES)
     rollout_phase = max(v for k, v in phases.items() if k in ROLLOUT_PHASES)
-    free = capacity - phases[peak_phase]
+    free = capacity - reserved[peak_phase]
     if device == "cuda" and rollout["kv_cache_per_gpu"] <= 0:
         free = min(free, rollout["kv_cache_per_gpu"])  # the weights alone overflow SGLang's share
     return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib, rollout=rollout,
                 layout=dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                             dp=lay.dp, expert_dp=lay.expert_dp,
                             sequence_parallel=bool(arr.actor.megatron.sequence_parallel)),
-                models=models, phases=phases, peak_phase=peak_phase, schedule=d.phases.table(),
+                models=models, phases=phases, reserved=reserved, peak_phase=peak_phase,
+                schedule=d.phases.table(),
                 host=host,
                 total_params=counts.total, active_params=counts.active,
                 training_peak=training, rollout_share=rollout_share,
                 rollout_phase=rollout_phase, capacity=capacity, free=free, fits=free >= 0)
 
 
-def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_tokens, s: Shape, lay) -> dict:
-    """Bytes per GPU in each phase of the schedule (engine/config/phases.py), the one the trainer
-    executes: the states it keeps resident, the running model's activations (a forward pass:
-    one layer at a time plus the log-prob / value head; an update: what `model_memory`
+def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_tokens, s: Shape, lay,
+                split=False):
+    """Bytes allocated per GPU in each phase of the schedule (engine/config/phases.py), the one the
+    trainer executes: the states it keeps resident, the running model's activations (a forward
+    pass: one layer at a time plus the log-prob / value head; an update: what `model_memory`
     counts), and the rollout's weights (/ R) or its whole share once the KV cache is back; the
-    sync adds one bucket of full tensors."""
-    out = {}
+    sync adds one bucket of full tensors. `split`: also {phase: the rollout's part}."""
+    out, held = {}, {}
     for phase in PHASES:
         if phase in ("old_log_prob", "ref", "values", "critic_update", "reward") and \
                 RUNS[phase][0] not in models:
@@ -158,20 +171,19 @@ def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_token
             mem = models[runner]
             total += mem["activations"] if trains else mem["forward_activations"]
         memory = schedule.rollout(phase)
-        if "kv_cache" in memory:
-            total += max(rollout_share, rollout["weights_per_gpu"])
-        elif "weights" in memory:
-            total += rollout["weights_per_gpu"]
+        held[phase] = (max(rollout_share, rollout["weights_per_gpu"]) if "kv_cache" in memory
+                       else rollout["weights_per_gpu"] if "weights" in memory else 0.0)
         if phase == "sync":
             total += bucket
-        out[phase] = total
-    return out
+        out[phase] = total + held[phase]
+    return (out, held) if split else out
 
 
 def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: str) -> dict:
     """The rollout engines (engine/rollout/topology.py) and what each GPU holds for them:
-    the model's weights split over the engine's R GPUs, and SGLang's KV cache in the rest of
-    its share (gpu_memory_utilization x GPU memory)."""
+    the model's weights split over the engine's R GPUs, and SGLang's KV pool in the rest of its
+    share (`rollout_share`: gpu_memory_utilization x what was free when the engine started; SGLang
+    gives the pool what is free after the weights less the rest of that memory)."""
     from engine.config.layout_check import rollout_topology_of
 
     topo = rollout_topology_of(cfg, world_size, num_attention_heads=s.a)
@@ -276,14 +288,14 @@ def _gib(x):
 
 _BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "forward_activations", "total",
               "training_peak", "rollout_share", "rollout_phase", "capacity", "free", "weights_per_gpu",
-              "kv_cache_per_gpu", "phases", "ref_hidden")
+              "kv_cache_per_gpu", "engine_start_free", "phases", "reserved", "ref_hidden")
 
 
 def _in_gib(value, key=None, parent=None):
     """The estimate as JSON: byte figures in GiB (the keys in _BYTE_KEYS, and every phase)."""
     if isinstance(value, dict):
         return {k: _in_gib(v, k, key) for k, v in value.items()}
-    if key in _BYTE_KEYS or parent == "phases":
+    if key in _BYTE_KEYS or parent in ("phases", "reserved"):
         return round(value / GIB, 4)
     return value
 
@@ -301,16 +313,20 @@ def _report(e):
     r = e["rollout"]
     lines.append(f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
                  f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: "
-                 f"weights {_gib(r['weights_per_gpu'])}  KV cache {_gib(r['kv_cache_per_gpu'])}")
+                 f"weights {_gib(r['weights_per_gpu'])}  KV pool {_gib(r['kv_cache_per_gpu'])} "
+                 f"(gpu_memory_utilization x {_gib(r['engine_start_free']).strip()} free at engine start "
+                 f"- weights)")
     lines.append(f"  model: {e['total_params'] / 1e9:.2f} B parameters, {e['active_params'] / 1e9:.2f} B "
                  f"active per token")
-    lines.append("  per phase (GiB per GPU; what is resident: engine/config/phases.py):")
+    lines.append("  per phase (GiB per GPU, allocated / reserved with training's cache; what is resident: "
+                 "engine/config/phases.py):")
     for phase, value in e["phases"].items():
         held = ", ".join(f"{m} {'+'.join(states) or '-'}" for m, states in e["schedule"][phase].items()
                          if m != "rollout")
         rollout = "+".join(e["schedule"][phase]["rollout"]) or "-"
         mark = "  <- peak" if phase == e["peak_phase"] else ""
-        lines.append(f"    {phase:13s} {value / GIB:8.2f}   [{held}; rollout {rollout}]{mark}")
+        lines.append(f"    {phase:13s} {value / GIB:8.2f} / {e['reserved'][phase] / GIB:8.2f}   "
+                     f"[{held}; rollout {rollout}]{mark}")
     if e["host"]:
         lines.append(f"  host memory per last-stage rank: reference hidden states + weight shard "
                      f"(exact KL) {_gib(e['host']['ref_hidden'])}")

@@ -13,6 +13,13 @@ gradients and optimizer state go first, then the rollout takes its weights memor
 weights are sent, the actor's parameters go (when `param_offload`), and only then does the
 rollout take its KV cache back. After generation it gives both back (unless
 `rollout.free_cache_engine=false`, which keeps them through training).
+
+Storage a model offloads is freed into torch's caching allocator, where the rollout's processes
+cannot use it: before the rollout resumes weights or KV cache, training hands its cache back to
+the device (`cache_emptied`; engine/hybrid.py, parallel/device_memory.py). Between two such points
+the training process keeps reserved the most it allocated, which tools/plan.py reports per phase
+beside what is allocated. The engines are built before the training models (engine/train.py),
+so SGLang's KV pool is mem_fraction_static x the free device less the weights.
 """
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ RUNS = {"sync": ("actor", False), "reward": ("reward_model", False), "old_log_pr
 ROLLOUT_PHASES = ("sync", "generate", "validate")
 OFFLOAD_SWITCH = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
 SAVED = ("actor", "critic")  # what a checkpoint holds: every state of these is read while saving
-SYNC_ORDER = ("offload training grads and optimizer state", "resume rollout weights", "send weights",
-              "offload actor params (param_offload)", "resume rollout KV cache")
+SYNC_ORDER = ("offload training grads and optimizer state", "empty training's cache",
+              "resume rollout weights", "send weights", "offload actor params (param_offload)",
+              "empty training's cache", "resume rollout KV cache")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,26 @@ class PhaseSchedule:
         if self.keep_rollout or phase in ("generate", "validate"):
             return frozenset(ROLLOUT_MEMORY)
         return frozenset({"weights"}) if phase == "sync" else frozenset()
+
+    def cache_emptied(self, phase: str) -> bool:
+        """Whether training's cached memory goes back to the device as `phase` begins: where the
+        rollout resumes memory (the sync, then generation; validation starts with a sync)."""
+        return not self.keep_rollout and phase in ROLLOUT_PHASES
+
+    def reserved(self, allocated: dict) -> dict:
+        """{phase: bytes the training process reserves} from {phase: bytes it allocates} (phases
+        missing: nothing runs there): the most allocated since the cache was last emptied, in
+        step order; two steps walked, so a cache never emptied carries the previous step's peak.
+        Validation runs on some steps only: the phases after it are counted as on a step without."""
+        out, held = {}, 0.0
+        for _ in range(2):
+            for phase in (p for p in PHASES if p in allocated):
+                if phase == "validate" and self.cache_emptied(phase):
+                    out[phase] = allocated[phase]
+                    continue
+                held = allocated[phase] if self.cache_emptied(phase) else max(held, allocated[phase])
+                out[phase] = held
+        return out
 
     def table(self) -> dict:
         """{phase: {model: [states]}, 'rollout': [...]} for printing and JSON."""
