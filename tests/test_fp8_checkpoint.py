@@ -164,3 +164,82 @@ def test_other_quantisation_is_refused_by_name():
     index["model.layers.0.mlp.up_proj.qweight"] = ("x", (2, 2), "I32")
     with pytest.raises(ValueError, match=r"quantization_config\.quant_method='awq'.*unquantised"):
         hf_io.validate_checkpoint(cfg, index)
+
+
+# -- the SGLang rollout of a block-FP8 model directory -------------------------------------
+
+FAKES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fakes")
+
+
+@pytest.fixture
+def double(monkeypatch):
+    """The recording SGLang double as `sglang` (one process, one GPU: WORLD_SIZE=1)."""
+    import sys
+    monkeypatch.syspath_prepend(FAKES)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    import sglang
+    sglang.RECORDS.clear()
+    yield sglang
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        sys.modules.pop(name)
+
+
+def _shared(double, tensors):
+    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+    from sglang.srt.utils.common import MultiprocessingSerializer as S
+    return [(n, LocalSerializedTensor(values=[S.serialize(t)])) for n, t in tensors.items()]
+
+
+def test_double_expects_sglang_fp8_parameters(checkpoints, double):
+    """Given the FP8 directory the double holds FP8 linears: float8 `weight` + float32
+    `weight_scale_inv` blocks load (and dequantise to the reference weights); a bf16 weight or
+    a scale of the wrong shape for such a linear is refused."""
+    from tests.test_hf_parity import read_all
+    q_dir, ref_dir, n_fp8 = checkpoints
+    quantised, reference = read_all(q_dir), read_all(ref_dir)
+    engine = double.Engine(model_path=q_dir, tp_size=1, load_format="dummy", dtype="float32")
+    try:
+        engine.begin_weight_update()
+        linear = next(n for n in quantised if QUANTISED.search(n))
+        ok, message = engine.update_weights_from_tensor(_shared(double, {linear: reference[linear].bfloat16()}))
+        assert not ok and "float8_e4m3fn" in message and linear in message
+        bad = {linear: quantised[linear], linear + "_scale_inv": quantised[linear + "_scale_inv"][:, :-1]}
+        ok, message = engine.update_weights_from_tensor(_shared(double, bad))
+        assert not ok and "needs" in message
+        engine.fp8.pending.clear()
+        known = set(engine.rollout.checkpoint_names())  # the checkpoint also stores buffers
+        ok, message = engine.update_weights_from_tensor(_shared(double, {
+            n: t for n, t in quantised.items() if n.removesuffix("_scale_inv") in known}))
+        assert ok, message
+        assert engine.end_weight_update()[0]
+        held = dict(engine.rollout.model.state_dict())
+        assert sum(1 for n in quantised if n.endswith("_scale_inv")) == n_fp8 > 0
+        for name in (linear, "model.embed_tokens.weight"):
+            assert torch.equal(held[name], reference[name].to(held[name].dtype)), name
+    finally:
+        engine.shutdown()
+
+
+def test_rollout_of_an_fp8_dir_loads_in_bf16_from_the_sync(checkpoints, double, capsys):
+    """The adapter starts SGLang on the FP8 directory's config without quantization_config
+    (said in the log) and streams the trainer's unquantised weights, which then load."""
+    from engine.models.hf_io import load_config
+    from engine.rollout.sglang import SGLangRollout
+    from tests.test_hf_parity import read_all
+    q_dir, ref_dir, _ = checkpoints
+    rollout = SGLangRollout(load_config(q_dir), model_path=q_dir, dtype="float32")
+    try:
+        rollout.begin_weight_update()
+        known = set(rollout.engine.rollout.checkpoint_names())
+        rollout.update_weights([(n, t) for n, t in read_all(ref_dir).items() if n in known])  # the trainer's
+        rollout.finish_weight_update()
+        init = [e for e in double.RECORDS if e["kind"] == "init"][0]
+        engine_dir = init["kwargs"]["model_path"]
+        assert engine_dir != q_dir and "quantization_config" not in json.load(open(f"{engine_dir}/config.json"))
+        assert not any(f.endswith(".safetensors") for f in os.listdir(engine_dir))
+        out = capsys.readouterr().out
+        assert f"{q_dir} is block-FP8" in out and "loads it in bf16" in out
+    finally:
+        rollout.shutdown()
+    with pytest.raises(ValueError, match="load_format='dummy'"):
+        SGLangRollout(load_config(q_dir), model_path=q_dir, load_format="auto")

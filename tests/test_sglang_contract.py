@@ -137,6 +137,7 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
     problems += success_problems(src, used_api["returns_success"])
     problems += update_group_problems(src, used_api["update_group"])
     problems += fragment_problems(src, used_api["routed_experts"])
+    problems += fragment_problems(src, used_api["fp8"])
     engine_strings = {n.value for n in ast.walk(src.tree(ENGINE))
                       if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"environment variable {k!r} is never read by the engine"
@@ -315,3 +316,14 @@ def test_update_group_sender_uses_torch_names_that_exist():
     helper = importlib.import_module("torch.distributed.distributed_c10d")._new_process_group_helper
     assert set(TORCH_API["_new_process_group_helper"]) <= set(inspect.signature(helper).parameters)
     assert AGENT_STORE_ENV in inspect.getsource(sys.modules["torch.distributed.rendezvous"])
+
+
+def test_fp8_parameters_are_checked_against_the_wheel(source):
+    """The FP8 linears' parameters the double expects (tests/fakes/sglang/srt/layers/quantization/
+    fp8.py) are read from sglang's own Fp8LinearMethod; a renamed scale would be reported."""
+    assert contract_problems(source, USED_API) == []
+    broken = copy.deepcopy(USED_API)
+    where = "sglang/srt/layers/quantization/fp8.py:Fp8LinearMethod.create_fp8_weight_"
+    broken["fp8"][where] = ["register_parameter('weight_scale', scale_inv)"]
+    assert contract_problems(source, broken) == [
+        f"{where} no longer has \"register_parameter('weight_scale', scale_inv)\""]

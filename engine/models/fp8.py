@@ -147,3 +147,39 @@ def unquantised_config(hf_config):
     out = copy.deepcopy(hf_config)
     del out.quantization_config
     return out
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def block_fp8_dir(model_path) -> Optional[dict]:
+    """quantization_config of `model_path`'s config.json when it is block-wise fp8 (what makes
+    SGLang build FP8 linears: float8 `weight` + `weight_scale_inv` blocks), else None."""
+    import json
+    import os
+    path = os.path.join(str(model_path), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        q = json.load(f).get("quantization_config")
+    return q if isinstance(q, dict) and q.get("quant_method") == "fp8" and q.get("weight_block_size") else None
+
+
+def unquantised_model_dir(model_path: str, out_dir: str) -> str:
+    """A copy of a model directory without its weights and without quantization_config in
+    config.json (tokenizer, generation config and code files kept): an engine started on it
+    with load_format='dummy' builds bf16 linears and takes the trainer's bf16 weights."""
+    import json
+    import os
+    import shutil
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_path):
+        src = os.path.join(model_path, name)
+        if os.path.isfile(src) and not name.endswith(WEIGHT_FILES) and name != "config.json":
+            shutil.copy2(src, os.path.join(out_dir, name))
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir

@@ -90,6 +90,18 @@ USED_API = {
         "sglang/srt/managers/detokenizer_manager.py:DetokenizerManager._b64_encode_per_request":
             ["b64encode(item.numpy().tobytes())"],
     },
+    # what SGLang builds for a block-FP8 model dir (config.json quantization_config): "file:Class.function"
+    # -> source fragments. Linears get float8 `weight` + float32 `weight_scale_inv` blocks, so the
+    # adapter starts the engine on the config without quantization_config (bf16, see _unquantised)
+    "fp8": {
+        "sglang/srt/layers/quantization/fp8.py:Fp8Config.from_config":
+            ["'weight_block_size'", "['ignored_layers', 'modules_to_not_convert']"],
+        "sglang/srt/layers/quantization/fp8.py:Fp8LinearMethod.create_fp8_weight_":
+            ["torch.float8_e4m3fn if is_checkpoint_fp8_serialized else params_dtype",
+             "register_parameter('weight_scale_inv', scale)",
+             "(output_size_per_partition + block_n - 1) // block_n",
+             "(input_size_per_partition + block_k - 1) // block_k"],
+    },
     # environment read by Engine: "0" lets a multi-node engine's node_rank >= 1 return
     "env": ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"],
 }
@@ -203,6 +215,7 @@ class SGLangRollout(RolloutEngine):
         if record_routing and self.routing_top_k is None:
             raise ValueError("record_routing=True needs a MoE hf_config with num_experts_per_tok; "
                              "set record_routing=False for dense models")
+        model_path = self._unquantised(model_path, load_format)
         placement = dict(placement or {})
         tp = placement.pop("tp_size", tensor_model_parallel_size)
         kwargs = engine_kwargs(model_path, dtype, load_format, tp, gpu_memory_utilization,
@@ -216,6 +229,27 @@ class SGLangRollout(RolloutEngine):
         with engine_environment():  # its scheduler processes start now, and keep this environment
             self.engine = sglang.Engine(**kwargs, **extra_server_args)
         self.update_group = None  # the weight-update group's name, once joined
+
+    @staticmethod
+    def _unquantised(model_path: str, load_format: str) -> str:
+        """A block-FP8 model directory (DeepSeek-V3's release) would make SGLang build FP8 linears
+        (float8 `weight` + `weight_scale_inv`, sglang/srt/layers/quantization/fp8.py), while the
+        sync streams the trainer's bf16 weights: the engine gets the directory's config without
+        quantization_config instead, and loads in bf16 (twice the bytes per weight of FP8)."""
+        from engine.models import fp8
+        quant = fp8.block_fp8_dir(model_path)
+        if quant is None:
+            return model_path
+        if load_format != "dummy":
+            raise ValueError(f"{model_path} is a block-FP8 checkpoint and load_format={load_format!r}: SGLang "
+                             "would read its FP8 weights; the rollout loads in bf16 from the trainer's sync, "
+                             "so use load_format='dummy'")
+        import tempfile
+        out = fp8.unquantised_model_dir(model_path, tempfile.mkdtemp(prefix="trident-rollout-bf16-"))
+        print(f"rollout: {model_path} is block-FP8 (weight_block_size {quant['weight_block_size']}); SGLang "
+              f"loads it in bf16 from {out} (its config without quantization_config), the weights come "
+              f"from the trainer's bf16 sync", flush=True)
+        return out
 
     @staticmethod
     def _check(result, call: str):

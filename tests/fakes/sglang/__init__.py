@@ -11,6 +11,8 @@ import base64
 import hashlib
 import json
 import os
+import random
+from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +26,11 @@ def digest(tensor) -> str:
 
 
 def _record(kind, **fields):
-    entry = dict(kind=kind, rank=int(os.environ.get("RANK", "0")), **fields)
+    # the calling (training) process's own agent-store setting: the engine's children must not
+    # inherit it, the trainer must keep it
+    entry = dict(kind=kind, rank=int(os.environ.get("RANK", "0")),
+                 trainer_env={"TORCHELASTIC_USE_AGENT_STORE": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")},
+                 **fields)
     RECORDS.append(entry)
     path = os.environ.get("TRIDENT_FAKE_SGLANG_LOG")
     if path:
@@ -34,14 +40,31 @@ def _record(kind, **fields):
 
 class Engine:
     def __init__(self, **kwargs):
-        _record("init", kwargs=kwargs)
+        from sglang.srt.entrypoints.engine import check_arguments
+        check_arguments(kwargs)  # ServerArgs' checks come before anything starts
+        # weights + KV pool against its GPUs' budget, sized at start as sglang does (that file cites the source)
+        from sglang.srt.utils.torch_memory_saver_adapter import EngineMemory
+        self.memory = EngineMemory(kwargs)
+        _record("memory", pre=self.memory.pre, weights_bytes=self.memory.weights_bytes,
+                kv_pool_bytes=self.memory.kv_pool_bytes)
+        # one scheduler process per TP rank of this node, joined into its TP group, as the real
+        # engine starts them (sglang/srt/entrypoints/engine.py; tests/fakes/.../entrypoints/engine.py)
+        from sglang.srt.entrypoints.engine import launch_scheduler_processes
+        self.schedulers = launch_scheduler_processes(kwargs)
+        self.environ_at_start = dict(os.environ)
+        _record("init", kwargs=kwargs, schedulers=[info for _, _, info in self.schedulers])
         self.kwargs = kwargs
+        self.generator = random.Random(kwargs.get("random_seed", 0))  # sglang seeds its schedulers so
         self.rollout = None
         if kwargs.get("node_rank", 0) == 0:  # a node_rank >= 1 engine only starts processes
             from transformers import AutoConfig
 
             from engine.rollout.cpu import CPURollout
-            config = AutoConfig.from_pretrained(kwargs["model_path"])
+            from engine.models.fp8 import unquantised_config
+            from sglang.srt.layers.quantization.fp8 import Fp8Linears
+            self.fp8 = Fp8Linears(kwargs["model_path"])  # FP8 parameters for a block-FP8 model dir
+            # the CPU model that generates holds what the FP8 parameters dequantise to
+            config = unquantised_config(AutoConfig.from_pretrained(kwargs["model_path"]))
             self.rollout = CPURollout(config, eos_token_ids=(),
                                       record_routing=bool(kwargs.get("enable_return_routed_experts")))
 
@@ -72,7 +95,10 @@ class Engine:
             loaded.append((name, copies[0]))
         _record("update_weights_from_tensor", names=names, shapes=shapes, origins=origins,
                 flush_cache=flush_cache, digests={n: digest(t) for n, t in loaded})
-        self.rollout.update_weights(loaded)
+        try:
+            self.rollout.update_weights(self.fp8.load(loaded))
+        except ValueError as e:  # a load failure answers (False, message)
+            return False, str(e)
         return True, "Success"
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
@@ -82,9 +108,11 @@ class Engine:
         _record("init_weights_update_group", master_address=master_address, master_port=master_port,
                 rank_offset=rank_offset, world_size=world_size, group_name=group_name, backend=backend)
         self.workers = getattr(self, "workers", {})
-        self.workers[group_name] = start(master_address, master_port,
-                                         [rank_offset + r for r in range(self.kwargs["tp_size"])],
-                                         world_size, group_name, backend)
+        from sglang.srt.entrypoints.engine import as_started
+        with as_started(self.environ_at_start):
+            self.workers[group_name] = start(master_address, master_port,
+                                             [rank_offset + r for r in range(self.kwargs["tp_size"])],
+                                             world_size, group_name, backend)
         return True, "Succeeded to initialize custom process group."
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
@@ -107,7 +135,10 @@ class Engine:
         _record("update_weights_from_distributed", names=list(names), dtypes=list(dtypes),
                 shapes=[list(s) for s in shapes], group_name=group_name, flush_cache=flush_cache,
                 workers=len(workers), digests={n: digest(t) for n, t in copies[0]})
-        self.rollout.update_weights(copies[0])
+        try:
+            self.rollout.update_weights(self.fp8.load(copies[0]))
+        except ValueError as e:
+            return False, f"Failed to update parameter online: {e}"
         return True, "Succeeded to update parameter online."
 
     def destroy_weights_update_group(self, group_name):
@@ -119,6 +150,10 @@ class Engine:
     def end_weight_update(self):
         _record("end_weight_update")
         self.session = False
+        try:
+            self.fp8.finish()
+        except ValueError as e:
+            return False, str(e)
         self.rollout.finish_weight_update()
         return True, "ok"
 
@@ -128,26 +163,24 @@ class Engine:
     # -- memory ----------------------------------------------------------------------------
     def release_memory_occupation(self, tags=None):
         _record("release_memory_occupation", tags=tags)
+        self.memory.release(tags)
         self.rollout.release_memory(tags)
 
     def resume_memory_occupation(self, tags=None):
         _record("resume_memory_occupation", tags=tags)
+        self.memory.resume(tags)  # raises as a scheduler's out-of-memory would end it
         self.rollout.resume_memory(tags)
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                  return_routed_experts=False):
-        from engine.rollout.base import FINISH_STOP, SamplingParams
-        p = dict(sampling_params)
-        greedy = p.get("temperature", 1.0) == 0.0
-        sampling = SamplingParams(n=p.get("n", 1), temperature=p.get("temperature", 1.0),
-                                  top_p=p.get("top_p", 1.0), top_k=p.get("top_k", -1),
-                                  max_new_tokens=p["max_new_tokens"],
-                                  stop_token_ids=tuple(p.get("stop_token_ids", ())),
-                                  seed=p.get("sampling_seed"), do_sample=not greedy,
-                                  ignore_eos=p.get("ignore_eos", False))
-        out = self.rollout.generate(input_ids, sampling)
-        _record("generate", prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n)
+        from engine.rollout.base import FINISH_STOP
+        from sglang.srt.sampling.sampling_batch_info import generate
+        n, out = generate(self.rollout, input_ids, sampling_params,
+                          bool(self.kwargs.get("enable_deterministic_inference")), self.generator)
+        sampling = SimpleNamespace(n=n)
+        _record("generate", prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n,
+                sampling_params=sampling_params)
         results = []
         for r, (tokens, logps, finish) in enumerate(zip(out.responses, out.log_probs, out.finish_reasons)):
             meta = {"output_token_logprobs": [(lp, t, None) for t, lp in zip(tokens, logps)],
@@ -167,6 +200,8 @@ class Engine:
 
     def shutdown(self):
         _record("shutdown")
+        from sglang.srt.entrypoints.engine import shutdown
         from tests.update_group_worker import stop
         for workers in getattr(self, "workers", {}).values():
             stop(workers)
+        shutdown(self.schedulers)
