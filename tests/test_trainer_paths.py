@@ -203,7 +203,7 @@ def test_remax_subtracts_the_reward_of_a_greedy_rollout(tmp_path):
 # -- ppo_epochs: two full-batch steps of the written loss, torch's AdamW, transformers -----------
 
 CLIP_LOW, CLIP_HIGH, CLIP_C, KL_COEF, ENT_COEF, TEMP = 0.15, 0.25, 3.0, 0.05, 0.01, 0.8
-LR, BETAS, EPS, WD, CLIP_GRAD = 2e-2, (0.8, 0.95), 1e-4, 0.1, 0.5
+LR, BETAS, EPS, WD, CLIP_GRAD = 4e-3, (0.8, 0.95), 1e-4, 0.1, 0.5
 EPOCHS = [f"actor_rollout_ref.actor.{k}" for k in (
     "ppo_epochs=2", f"clip_ratio_low={CLIP_LOW}", f"clip_ratio_high={CLIP_HIGH}",
     f"clip_ratio_c={CLIP_C}", "use_kl_loss=true", "kl_loss_type=low_var_kl",
@@ -272,11 +272,12 @@ def _reference_update(before_dir, g, epochs):
         opt.zero_grad()
         logp, ent = _row_outputs(model, g)
         loss, pg_loss = _written_loss(logp, ent, old, old, g["advantages"].float(), mask)
+        ratios = torch.exp(logp.detach() - old)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)))
         pg_losses.append(float(pg_loss.detach()))
         opt.step()
-    return old, {n: p.detach() for n, p in model.state_dict().items()}, norms, pg_losses
+    return old, {n: p.detach() for n, p in model.state_dict().items()}, norms, pg_losses, ratios
 
 
 def _hf_weights(path):
@@ -293,8 +294,8 @@ def test_two_ppo_epochs_are_two_steps_of_the_written_loss(tmp_path):
     g, metrics = _global(results), results[0]["metrics"]
     assert [r["scheduler_steps"] for r in results] == [2, 2]  # one optimizer step per epoch
     before, after = _hf_weights(tmp_path / "before"), _hf_weights(tmp_path / "after")
-    old, two, norms, pg_losses = _reference_update(str(tmp_path / "before"), g, epochs=2)
-    _, one, _, _ = _reference_update(str(tmp_path / "before"), g, epochs=1)
+    old, two, norms, pg_losses, ratios = _reference_update(str(tmp_path / "before"), g, epochs=2)
+    _, one, _, _, _ = _reference_update(str(tmp_path / "before"), g, epochs=1)
     # the trainer's own old-log-prob and reference passes saw the weights the reference starts from
     torch.testing.assert_close(g["old_log_probs"], old, rtol=0, atol=2e-5)
     torch.testing.assert_close(g["ref_log_prob"], old, rtol=0, atol=2e-5)
@@ -303,6 +304,12 @@ def test_two_ppo_epochs_are_two_steps_of_the_written_loss(tmp_path):
     from_one = max(float((after[n] - one[n]).abs().max()) for n in after)
     assert max(worst.values()) < 5e-6, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert min(moved.values()) > 1e-4 and from_one > 100 * max(worst.values())
+    # the second epoch's ratios fall where each clip bound decides (so a swapped or ignored
+    # bound changes the update): A > 0 between 1 + low and 1 + high, A < 0 between 1 - high and 1 - low
+    adv, valid = g["advantages"], g["response_mask"].bool()
+    high = valid & (adv > 0) & (ratios > 1 + CLIP_LOW) & (ratios < 1 + CLIP_HIGH)
+    low = valid & (adv < 0) & (ratios > 1 - CLIP_HIGH) & (ratios < 1 - CLIP_LOW)
+    assert high.any() and low.any(), (int(high.sum()), int(low.sum()))
     # the metrics are means over the two optimizer steps
     assert metrics["actor/grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)
     assert metrics["actor/pg_loss"] == pytest.approx(sum(pg_losses) / 2, rel=1e-4, abs=1e-6)
