@@ -211,3 +211,35 @@ def test_deterministic_is_refused_where_nothing_makes_it_true():
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.deterministic=True: .*transformers"):
         load_config(DEMO, ["actor_rollout_ref.rollout.name=hf", "trainer.device=cuda",
                            "actor_rollout_ref.rollout.deterministic=true"])
+
+
+def test_a_two_node_engine_meets_at_dist_init_addr(double, tmp_path, monkeypatch):
+    """TP 2 over two one-GPU nodes: each node's engine starts its own TP rank on its GPU 0, and
+    the two ranks form one world at dist_init_addr (node 0 hosts it)."""
+    import socket
+    import threading
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model, engines, errors = tiny_model_dir(tmp_path / "m"), {}, []
+
+    def start(node):
+        try:
+            engines[node] = double.Engine(model_path=model, tp_size=2, nnodes=2, node_rank=node,
+                                          dist_init_addr=f"127.0.0.1:{port}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=start, args=(node,)) for node in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    try:
+        assert not errors, errors
+        got = sorted((e["kwargs"]["node_rank"], s["tp_rank"], s["gpu_id"])
+                     for e in inits(double.RECORDS) for s in e["schedulers"])
+        assert got == [(0, 0, 0), (1, 1, 0)]
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
