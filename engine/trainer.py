@@ -19,7 +19,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.correction import probs_diff_sums
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
@@ -30,9 +29,10 @@ from engine.experience_sources import build_experience
 from engine.guards import StepGuard
 from engine.hybrid import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
-                            peak_memory_gb, reduce_over_dp)
+                            peak_memory_gb, reduce_over_dp, rollout_probs_diff_metrics)
 from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.phase import set_phase
+from engine.scoring import replica_groups, reward_extra_metrics, score_once_per_replica
 from engine.rollout.batches import sampling_params, training_batch
 from engine.validation import validate, validate_from
 from parallel.cpu import suspended as cpu_function_mode_suspended
@@ -69,7 +69,7 @@ class Trainer:
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
         # the ranks sharing this DP index (TP x PP x CP) hold the same data: rewards are scored
         # once per replica, on its first rank, and broadcast in this group
-        self.replicas, self.replica_group = self._replica_groups()
+        self.replicas, self.replica_group = replica_groups(self.rank, self.world, self.dp_rank)
         if c.bridge is not None:  # a separate rollout pool
             self.experience = self._pool(c.bridge, derived)
         self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
@@ -143,20 +143,6 @@ class Trainer:
             self.experience.client.stop()
         return self.step_count
 
-    @staticmethod
-    def _rollout_probs_diff(batch):
-        """training/rollout_probs_diff_{max,mean} over the data-parallel batch (make gpu-check's
-        GRPO run requires the max below a bound, tools/gpu_report.py)."""
-        worst, total, count = probs_diff_sums(batch["old_log_probs"], batch["rollout_log_probs"],
-                                              batch["response_mask"])
-        group = ps.get_data_parallel_group()
-        peak = torch.tensor([worst], dtype=torch.float64)
-        sums = torch.tensor([total, count], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        dist.all_reduce(sums, group=group)
-        return {"training/rollout_probs_diff_max": float(peak),
-                "training/rollout_probs_diff_mean": float(sums[0] / sums[1].clamp(min=1))}
-
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts; returns its metrics."""
         timings = defaultdict(float)
@@ -182,7 +168,9 @@ class Trainer:
                     if self.full_kl_in_reward:
                         batch["old_full_kl"] = out["full_kl"]
                 if "rollout_log_probs" in batch and "old_log_probs" in batch:  # rollout's vs training's
-                    metrics.update(self._rollout_probs_diff(batch))
+                    metrics.update(rollout_probs_diff_metrics(
+                        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+                        ps.get_data_parallel_group()))
             if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
                 self._reference_pass(batch, timings)
             if self.critic is not None:
@@ -287,63 +275,17 @@ class Trainer:
         return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
                               raw_chat=self.cfg.data.return_raw_chat)
 
-    def _replica_groups(self):
-        """(global ranks of each DP replica, this replica's gloo group or None when it is one rank);
-        collective over all ranks."""
-        from engine.rollout.topology import replicas_of
-        every = [None] * self.world
-        dist.all_gather_object(every, self.dp_rank)
-        replicas, mine = replicas_of(every), None
-        for ranks in replicas:
-            group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
-            if self.rank in ranks:
-                mine = group
-        return replicas, mine
-
     def compute_scores(self, batch):
-        """Rule rewards by data_source, plus the reward model's score when one is enabled.
-
-        The replica's first rank scores (a rule, custom function or sandbox runs once per sample,
-        and a non-deterministic one cannot give ranks holding the same data different rewards);
-        the others receive its result. The reward model's forward runs on every rank (it is
-        model-parallel itself) and gives them the same scores."""
+        """Rule rewards by data_source, plus the reward model's score when one is enabled, scored
+        once per model-parallel replica (engine/scoring.py); the reward model's forward runs on
+        every rank (it is model-parallel itself)."""
         # [B] scores, or [B, R] token rewards (reward_model.token_level=implicit)
         model_scores = self.reward_model.scores_for(self, batch) if self.reward_model else None
-        if self.replica_group is None:
-            return self._score(batch, model_scores)
-        leader = self.replicas[self.dp_rank][0]
-        box = [None]
-        if self.rank == leader:
-            try:
-                scores, extra = self._score(batch, model_scores)
-                box = [("ok", scores.cpu(), extra)]
-            except Exception as e:  # the others must not wait for a result that never comes
-                box = [("error", f"{type(e).__name__}: {e}", None)]
-                dist.broadcast_object_list(box, src=leader, group=self.replica_group)
-                raise
-        dist.broadcast_object_list(box, src=leader, group=self.replica_group)
-        kind, scores, extra = box[0]
-        if kind == "error":
-            raise RuntimeError(f"reward scoring failed on rank {leader} (this replica's scorer): {scores}")
-        return scores.to(batch["responses"].device), extra
-
-    def _score(self, batch, model_scores):
-        extra_infos = list(batch["extra_info"])
-        if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
-            extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
-        rule = self.cfg.reward_model.rule_reward  # false: the model's reward alone
-        return self.reward_fn(batch["responses"], batch["response_mask"],
-                              ground_truths=list(batch["ground_truth"]) if rule else None,
-                              data_sources=list(batch["data_source"]),
-                              extra_infos=extra_infos, model_scores=model_scores)
-
-    REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong")
+        return score_once_per_replica(self.reward_fn, batch, model_scores, self.cfg.reward_model.rule_reward,
+                                      self.rank, self.replicas[self.dp_rank][0], self.replica_group)
 
     def _reward_extra_metrics(self, extra):
-        """Means over the global batch of the reward extras every rank has (same config)."""
-        local = {f"reward_extra/{k}/mean": float(np.mean([float(v) for v in extra[k]]))
-                 for k in self.REWARD_EXTRAS if k in extra and len(extra[k])}
-        return reduce_over_dp(local, self.dp) if local else {}
+        return reward_extra_metrics(extra, self.dp)
 
     def _scores(self, batch):
         scores, _ = self.compute_scores(batch)
