@@ -243,3 +243,35 @@ def test_a_two_node_engine_meets_at_dist_init_addr(double, tmp_path, monkeypatch
     finally:
         for engine in engines.values():
             engine.shutdown()
+
+
+def test_a_request_the_kv_pool_cannot_hold_is_aborted_and_never_trained_on(double, tmp_path, monkeypatch):
+    """SGLang aborts a sequence its whole KV pool cannot hold (retract_decode's last request) and
+    returns what it had with finish_reason abort; the adapter refuses it (it was mapped to 'stop'
+    and trained on as a finished response) and names the fix. One that fits is served whole."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.rollout.base import FINISH_LENGTH, SamplingParams
+    from engine.rollout.sglang import RolloutAborted, SGLangRollout
+    from parallel import device_memory
+    path = tiny_model_dir(tmp_path / "m")  # 1 layer, 2 KV heads of 8 dims: 128 B per token in fp32
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+                  .parameters()) * 4
+    pool_tokens = 10
+    monkeypatch.setenv(device_memory.DIR_ENV, str(tmp_path / "devices"))
+    monkeypatch.setenv(device_memory.BYTES_ENV, str(2 * (weights + pool_tokens * 128)))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rollout = SGLangRollout(AutoConfig.from_pretrained(path), model_path=path, dtype="float32",
+                            gpu_memory_utilization=0.5)
+    try:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        rollout.engine.rollout.update_weights(list(model.state_dict().items()))
+        rollout.engine.rollout.finish_weight_update()
+        fits = rollout.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=6, ignore_eos=True, seed=1))
+        assert len(fits.responses[0]) == 6 and fits.finish_reasons == [FINISH_LENGTH]
+        with pytest.raises(RolloutAborted, match=r"aborted 1 of 2 requests.*4 prompt tokens \+ 6 generated.*"
+                                                 r"Out of memory.*gpu_memory_utilization"):
+            rollout.generate([[1, 2], [1, 2, 3, 4]], SamplingParams(max_new_tokens=7, ignore_eos=True, seed=1))
+    finally:
+        rollout.shutdown()

@@ -18,6 +18,7 @@ import torch
 
 FINISH_STOP = "stop"      # ended on an eos / stop token (the token is part of the response)
 FINISH_LENGTH = "length"  # hit max_new_tokens
+FINISH_ABORT = "abort"    # the engine gave up on it (SGLang: out of KV cache): never trained on
 
 
 @dataclass(frozen=True)

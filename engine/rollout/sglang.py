@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
+from engine.rollout.base import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
                                  register_rollout)
 
 SGLANG_VERSION = "0.5.21"
@@ -76,6 +76,13 @@ USED_API = {
             ["init_custom_process_group", "rank_offset", "tp_rank"],
         "sglang/srt/model_executor/model_runner_components/weight_updater.py:WeightUpdater.receive_weights_from_distributed":
             ["broadcast", "empty"],
+    },
+    # meta_info["finish_reason"]["type"] of every way a request ends (parse_result): "file:Class.function"
+    # -> source fragments; an aborted request is refused, never trained on (RolloutAborted)
+    "finish_reasons": {
+        "sglang/srt/managers/schedule_batch.py:FINISH_MATCHED_TOKEN.to_json": ["'type': 'stop'"],
+        "sglang/srt/managers/schedule_batch.py:FINISH_LENGTH.to_json": ["'type': 'length'"],
+        "sglang/srt/managers/schedule_batch.py:FINISH_ABORT.to_json": ["'type': 'abort'", "'message'"],
     },
     # the routed-experts shape rule (meta_info["routed_experts"], parse_result): "file:Class.function"
     # -> source fragments it must contain: [tokens, num_hidden_layers, top_k] int32, zeros where no
@@ -150,6 +157,14 @@ def request_seed(seed: Optional[int], key: int, sample: int) -> int:
     return hash((0 if seed is None else int(seed), int(key), int(sample))) & ((1 << 63) - 1)
 
 
+FINISH_TYPES = ("stop", "length", "abort")  # USED_API["finish_reasons"]
+
+
+class RolloutAborted(RuntimeError):
+    """SGLang aborted a request (its KV cache could not hold the sequence): the step is not
+    trained on a cut-off response."""
+
+
 def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = None,
                  routing_layers: Optional[int] = None):
     """One sglang result -> (tokens, log-probs, finish reason, routed experts or None).
@@ -161,15 +176,18 @@ def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = N
     num_hidden_layers, checked when given.
     """
     meta = result["meta_info"]
-    # (logprob, token_id, text) per generated token: ids and log-probs stay aligned
-    token_logprobs = meta["output_token_logprobs"]
+    # (logprob, token_id, text) per generated token: ids and log-probs stay aligned; an aborted
+    # request may come back without them (sglang turns return_logprob off when it aborts early)
+    token_logprobs = meta.get("output_token_logprobs") or []
     tokens = [int(t) for _, t, _ in token_logprobs]
     logps = [float(lp) for lp, _, _ in token_logprobs]
     reason = meta["finish_reason"]
     reason = reason.get("type") if isinstance(reason, dict) else reason
-    finish = FINISH_LENGTH if reason == "length" else FINISH_STOP
+    if reason not in FINISH_TYPES:
+        raise ValueError(f"sglang finish_reason {meta['finish_reason']!r}: expected one of {FINISH_TYPES}")
+    finish = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}[reason]
     routed = None
-    if routing_top_k is not None:
+    if routing_top_k is not None and finish != FINISH_ABORT:
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).copy()
         positions = prompt_len + len(tokens) - 1  # the layout of RolloutOutput.routed_experts
         layers = routing_layers or flat.size // max(positions * routing_top_k, 1)
@@ -331,6 +349,16 @@ class SGLangRollout(RolloutEngine):
         prompt_index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
         parsed = [parse_result(r, len(prompts[i]), self.routing_top_k, self.routing_layers)
                   for r, i in zip(results, prompt_index)]
+        aborted = [k for k, p in enumerate(parsed) if p[2] == FINISH_ABORT]
+        if aborted:  # a partial response trained as a finished one would teach the policy to stop
+            reason = results[aborted[0]]["meta_info"]["finish_reason"]
+            message = reason.get("message") if isinstance(reason, dict) else reason
+            raise RolloutAborted(
+                f"sglang aborted {len(aborted)} of {len(parsed)} requests (first: prompt "
+                f"{prompt_index[aborted[0]]}, {len(prompts[prompt_index[aborted[0]]])} prompt tokens + "
+                f"{len(parsed[aborted[0]][0])} generated): {message}; give the KV cache room for one "
+                "whole sequence: raise actor_rollout_ref.rollout.gpu_memory_utilization or lower "
+                "data.max_prompt_length / data.max_response_length")
         return RolloutOutput(prompt_index=prompt_index, responses=[p[0] for p in parsed],
                              log_probs=[p[1] for p in parsed], finish_reasons=[p[2] for p in parsed],
                              routed_experts=[p[3] for p in parsed] if self.record_routing else None)

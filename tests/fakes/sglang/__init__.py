@@ -175,6 +175,7 @@ class Engine:
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                  return_routed_experts=False):
         from engine.rollout.base import FINISH_STOP
+        from sglang.srt.managers.schedule_batch import fit_to_pool
         from sglang.srt.sampling.sampling_batch_info import generate
         n, out = generate(self.rollout, input_ids, sampling_params,
                           bool(self.kwargs.get("enable_deterministic_inference")), self.generator)
@@ -182,9 +183,18 @@ class Engine:
         _record("generate", prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n,
                 sampling_params=sampling_params)
         results = []
+        capacity = self._pool_tokens()
         for r, (tokens, logps, finish) in enumerate(zip(out.responses, out.log_probs, out.finish_reasons)):
+            reason = {"type": "stop" if finish == FINISH_STOP else "length"}
+            if capacity is not None:  # a request the KV pool cannot hold is aborted where it stopped
+                tokens, abort = fit_to_pool(len(input_ids[r // sampling.n]), list(tokens), capacity)
+                if abort is not None:
+                    reason, logps = abort, logps[:len(tokens)]
             meta = {"output_token_logprobs": [(lp, t, None) for t, lp in zip(tokens, logps)],
-                    "finish_reason": {"type": "stop" if finish == FINISH_STOP else "length"}}
+                    "finish_reason": reason}
+            if reason["type"] == "abort":  # it never reached the detokenizer's routed-experts output
+                results.append({"meta_info": meta})
+                continue
             if return_routed_experts and out.routed_experts is not None:
                 # mirrors sglang/srt/state_capturer/{base,routed_experts}.py and the detokenizer's
                 # base64: int32 [prompt + response - 1, num_hidden_layers, top_k], a row for
@@ -197,6 +207,14 @@ class Engine:
                 meta["routed_experts"] = base64.b64encode(routed.numpy().tobytes()).decode()
             results.append({"meta_info": meta})
         return results
+
+    def _pool_tokens(self):
+        """The KV pool's size in tokens, when the engine holds memory on a simulated device."""
+        if self.memory.kv_pool_bytes is None:
+            return None
+        from sglang.srt.managers.schedule_batch import max_total_num_tokens
+        return max_total_num_tokens(self.memory.kv_pool_bytes, self.kwargs["model_path"],
+                                    self.kwargs["tp_size"], self.kwargs.get("dtype", "auto"))
 
     def shutdown(self):
         _record("shutdown")
