@@ -275,3 +275,39 @@ def test_a_request_the_kv_pool_cannot_hold_is_aborted_and_never_trained_on(doubl
             rollout.generate([[1, 2], [1, 2, 3, 4]], SamplingParams(max_new_tokens=7, ignore_eos=True, seed=1))
     finally:
         rollout.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_every_engine_of_a_two_node_layout_gets_its_exact_arguments(double, tmp_path, monkeypatch, tp):
+    """Through the adapter, on every node of 2 nodes x 4 GPUs (issue 26 class 4): the arguments
+    each sglang.Engine receives, written out by hand per rank, and the double's check of what a
+    real engine accepts (a GPU id beyond the node is refused; node 1 counts its GPUs from 0)."""
+    from engine.rollout.sglang import SGLangRollout
+    from engine.rollout.topology import rollout_topology
+    from sglang.srt.entrypoints.engine import check_arguments
+    received = {}
+
+    class Recorder:  # sglang.Engine's constructor as the double checks it, without processes
+        def __init__(self, **kwargs):
+            check_arguments(kwargs, os.environ)
+            received[int(os.environ["RANK"])] = {k: kwargs.get(k) for k in
+                                                 ("tp_size", "base_gpu_id", "nnodes", "node_rank", "dist_init_addr")}
+    monkeypatch.setattr(double, "Engine", Recorder)
+    path = tiny_model_dir(tmp_path / "m", heads=8)
+    topology = rollout_topology(world_size=8, gpus_per_node=4, tp=tp)
+    for rank in range(8):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 4))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        if topology.builds_engine(rank):
+            SGLangRollout(None, model_path=path, placement=topology.engine_fields(rank, "10.0.0.1:2345"))
+    if tp == 2:  # four engines, two per node, each on its node's GPUs 0-1 or 2-3
+        one = dict(tp_size=2, nnodes=None, node_rank=None, dist_init_addr=None)
+        assert received == {0: dict(one, base_gpu_id=0), 2: dict(one, base_gpu_id=2),
+                            4: dict(one, base_gpu_id=0), 6: dict(one, base_gpu_id=2)}
+    else:  # one engine over both nodes: each node's first rank starts its half at GPU 0
+        both = dict(tp_size=8, base_gpu_id=0, nnodes=2, dist_init_addr="10.0.0.1:2345")
+        assert received == {0: dict(both, node_rank=0), 4: dict(both, node_rank=1)}
+    monkeypatch.setenv("RANK", "6")
+    with pytest.raises(ValueError, match="needs GPU 7, but this node has 4"):
+        Recorder(tp_size=2, base_gpu_id=6, model_path=path)  # the global rank as a GPU id
