@@ -68,6 +68,7 @@ def test_kernels_json_checksums_match_a_log_softmax_computed_here(tmp_path):
         assert ratios["max_checksum_rel_diff"] < 1e-4
 
 
+@pytest.mark.slow  # ~1 min on 2 cores; resharding itself is tested fast in tests/test_reshard.py
 def test_reshard_json_moves_the_whole_model_in_buckets(tmp_path):
     from transformers import AutoModelForCausalLM
 
