@@ -15,7 +15,7 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The suite CI runs (15-21 min on 2 cores, as loaded as the machine is; CI: 19 min): everything
+# The suite CI runs (~22 min on 2 cores measured here with other work running; CI: 19 min last round): everything
 # but the tests marked slow.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
