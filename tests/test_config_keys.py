@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load_config
-from engine.config.load import _hints
+from engine.config.load import field_types
 from engine.config.schema import TridentConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ NOT_READERS = ("engine/config/schema.py", "engine/config/load.py", "engine/confi
 
 
 def _leaves(cls=TridentConfig, prefix=""):
-    for name, tp in _hints(cls).items():
+    for name, tp in field_types(cls).items():
         key = f"{prefix}.{name}" if prefix else name
         if dataclasses.is_dataclass(tp):
             yield from _leaves(tp, key)

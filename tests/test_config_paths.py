@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from engine.config import ConfigError, load_config
-from engine.config.load import _hints
+from engine.config.load import field_types
 from engine.config.schema import TridentConfig
 from tests.multirank import run_on_ranks
 
@@ -64,7 +64,7 @@ CONTEXT = {"algorithm.kl_guard.enable": ["actor_rollout_ref.actor.use_kl_loss=fa
 
 
 def _sections(cls=TridentConfig, prefix=""):
-    for name, tp in _hints(cls).items():
+    for name, tp in field_types(cls).items():
         if dataclasses.is_dataclass(tp):
             key = f"{prefix}.{name}" if prefix else name
             yield key, tp

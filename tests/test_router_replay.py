@@ -70,34 +70,40 @@ def _model(family):
     return tiny_config(family)
 
 
-def _routes(replay, layout_kwargs, packed, family="qwen2_moe"):
-    from megatron.core import parallel_state as ps
-
+def _replaying_actor(hf, replay, packed, sequence_parallel=False):
+    """An actor with the test's weights, a CPU rollout synced from it and a rollout batch of
+    PROMPTS recorded there; then the actor's routers are flipped, so its own routing disagrees
+    with the record (as after a policy update). Returns (actor, batch, rollout output)."""
     from engine.config import ActorConfig, MegatronConfig, ModelConfig
     from engine.hybrid import sync_weights
     from engine.rollout.cpu import CPURollout
     from engine.workers.actor import ActorWorker
-    from parallel.mesh import Layout, init_mesh
     from parallel.shards import load_global, local_shards
 
-    layout = Layout(**layout_kwargs)
-    init_mesh(layout, seed=1)
-    hf = _model(family)
     cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, router_replay=replay,
-                      megatron=MegatronConfig(params_dtype="float32",
-                                              sequence_parallel=layout.sequence_parallel))
+                      megatron=MegatronConfig(params_dtype="float32", sequence_parallel=sequence_parallel))
     actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=packed), response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
     load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
     rollout = CPURollout(hf, eos_token_ids=[], pad_token_id=0, record_routing=True)
     sync_weights(actor.chunks, rollout, hf, bucket_megabytes=1)
     batch, out = rollout_batch(rollout, PROMPTS, R)
-
-    # the training router now disagrees with the rollout's (as after a policy update)
     for layer in actor.models[0].decoder.layers:
         if getattr(layer.mlp, "router", None) is not None:
             with torch.no_grad():
                 layer.mlp.router.weight.neg_()
+    return actor, batch, out
+
+
+def _routes(replay, layout_kwargs, packed, family="qwen2_moe"):
+    from megatron.core import parallel_state as ps
+
+    from parallel.mesh import Layout, init_mesh
+
+    layout = Layout(**layout_kwargs)
+    init_mesh(layout, seed=1)
+    hf = _model(family)
+    actor, batch, out = _replaying_actor(hf, replay, packed, layout.sequence_parallel)
     chosen, inputs = record_routers(actor.models)
     actor.compute_log_prob(batch, micro_batch_size=2)
     tokens, cu = inputs[0]
@@ -158,29 +164,13 @@ def test_without_replay_the_perturbed_router_picks_other_experts():
 
 def _without_record_after_one_with():
     from engine.batch import Batch
-    from engine.config import ActorConfig, MegatronConfig, ModelConfig
-    from engine.hybrid import sync_weights
-    from engine.rollout.cpu import CPURollout
-    from engine.workers.actor import ActorWorker
     from parallel.mesh import Layout, init_mesh
-    from parallel.shards import load_global, local_shards
 
     init_mesh(Layout(), seed=1)
     hf = tiny_config("qwen2_moe")
     out = {}
     for replay in (True, False):
-        cfg = ActorConfig(ppo_micro_batch_size_per_gpu=2, router_replay=replay,
-                          megatron=MegatronConfig(params_dtype="float32"))
-        actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=R)
-        shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
-        load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
-        rollout = CPURollout(hf, eos_token_ids=[], pad_token_id=0, record_routing=True)
-        sync_weights(actor.chunks, rollout, hf, bucket_megabytes=1)
-        batch, _ = rollout_batch(rollout, PROMPTS, R)
-        for layer in actor.models[0].decoder.layers:  # the training router disagrees with the record
-            if getattr(layer.mlp, "router", None) is not None:
-                with torch.no_grad():
-                    layer.mlp.router.weight.neg_()
+        actor, batch, _ = _replaying_actor(hf, replay, packed=True)
         replayed = actor.compute_log_prob(batch, micro_batch_size=2)
         bare = Batch({k: batch[k] for k in ("input_ids", "attention_mask", "responses", "response_mask")})
         out[replay] = (replayed, actor.compute_log_prob(bare, micro_batch_size=2))

@@ -184,12 +184,12 @@ def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, root: Any = N
 
 
 @functools.cache
-def _hints(cls: type) -> dict:
+def field_types(cls: type) -> dict:
     return typing.get_type_hints(cls)
 
 
 def _field_type(cls: type, name: str, key: str) -> Any:
-    hints = _hints(cls)
+    hints = field_types(cls)
     if name not in hints:
         raise ConfigError(_unknown_key_message(key, cls))
     return hints[name]
@@ -201,7 +201,7 @@ def all_keys() -> tuple[str, ...]:
     out = []
 
     def walk(cls, prefix):
-        for name, tp in _hints(cls).items():
+        for name, tp in field_types(cls).items():
             key = _join(prefix, name)
             out.append(key)
             if dataclasses.is_dataclass(tp):
@@ -214,7 +214,7 @@ def _unknown_key_message(key: str, cls: type) -> str:
     if key in MOVED_KEYS:
         return f"unknown config key {key!r}: in this engine it is {MOVED_KEYS[key]!r}"
     parent, _, leaf = key.rpartition(".")
-    siblings = list(_hints(cls))
+    siblings = list(field_types(cls))
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
         return f"unknown config key {key!r}; did you mean {_join(parent, close[0])!r}?"
