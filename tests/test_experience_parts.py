@@ -209,7 +209,7 @@ def test_implicit_reward_reads_the_dpo_beta():
 
 
 def test_graded_arith_pairs_rank_the_answer_first():
-    from engine.offline.data import _ANSWER_RANGE, PreferenceDataset, arith_pairs
+    from engine.data.preference import _ANSWER_RANGE, PreferenceDataset, arith_pairs
     from engine.tasks import build_tokenizer, make_rows
     truth = [r["reward_model"]["ground_truth"] for r in make_rows("arith", 2000, 1, 0, split="train")]
     pairs = arith_pairs(2000, 1, 0, "train", graded=True)

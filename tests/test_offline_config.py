@@ -61,5 +61,5 @@ def test_dpo_loss_names_come_from_the_registry():
     import typing
 
     from engine.config import schema
-    from engine.offline.losses import DPO_LOSSES
+    from engine.algorithms.pair_losses import DPO_LOSSES
     assert set(typing.get_args(schema.DpoLossType)) == set(DPO_LOSSES) == {"sigmoid", "ipo"}

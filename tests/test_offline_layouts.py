@@ -48,7 +48,7 @@ def _cfgs(micro, dynamic, packed, loss_type="sigmoid"):
 
 
 def _worker(task, hf, micro, dynamic, packed, loss_type="sigmoid", tp=1):
-    from engine.offline.workers import DPOWorker, RewardModelTrainWorker
+    from engine.workers.pairs import DPOWorker, RewardModelTrainWorker
     actor, model, dpo = _cfgs(micro, dynamic, packed, loss_type)
     actor = dataclasses.replace(actor, megatron=dataclasses.replace(
         actor.megatron, tensor_model_parallel_size=tp))
@@ -60,7 +60,7 @@ def _worker(task, hf, micro, dynamic, packed, loss_type="sigmoid", tp=1):
 def _my_pairs(examples):
     from megatron.core import parallel_state as ps
 
-    from engine.offline.data import pair_batch
+    from engine.data.preference import pair_batch
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = len(examples) // dp
     return pair_batch(examples[rank * per:(rank + 1) * per], pad_token_id=0)

@@ -53,7 +53,7 @@ def test_reward_model_reaches_90_percent_held_out(rm_run):
 
 def _val_batch():
     from engine.offline.build import BUILTIN_VAL_PAIRS
-    from engine.offline.data import PreferenceDataset, arith_pairs, pair_batch
+    from engine.data.preference import PreferenceDataset, arith_pairs, pair_batch
     from engine.tasks import build_tokenizer
     tok = build_tokenizer()  # the recipe's data: builtin arith, seed 1, difficulty 0
     data = PreferenceDataset(arith_pairs(BUILTIN_VAL_PAIRS, 1, 0, "test"), tok, 16, 4)
@@ -144,8 +144,8 @@ def _train(recipe, tmp, *extra, ref_logps_of=None):
     """Build and fit on these ranks; (final weights, metrics records, ref log-probs of the
     `ref_logps_of` examples under the initial reference)."""
     from engine.offline.build import build_offline
-    from engine.offline.data import pair_batch
-    from engine.offline.workers import sequence_log_probs
+    from engine.data.preference import pair_batch
+    from engine.workers.pairs import sequence_log_probs
     from parallel.shards import iter_global
     import torch.distributed as dist
 
@@ -166,7 +166,7 @@ def _train(recipe, tmp, *extra, ref_logps_of=None):
 
 
 def test_dpo_from_precomputed_reference_columns_matches_the_reference_model(tmp_path):
-    from engine.offline.data import PreferenceDataset, arith_pairs, write_preference_parquet
+    from engine.data.preference import PreferenceDataset, arith_pairs, write_preference_parquet
     from engine.tasks import build_tokenizer, save_tokenizer
     tok = build_tokenizer()
     save_tokenizer(str(tmp_path / "tok"))

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine.offline.data import (PreferenceDataset, arith_pairs, pair_batch,
+from engine.data.preference import (PreferenceDataset, arith_pairs, pair_batch,
                                  write_preference_parquet)
 from engine.tasks import build_tokenizer
 
@@ -113,7 +113,7 @@ def test_parquet_round_trip_with_margin_and_ref_columns(tmp_path, tok):
 
 
 def test_pair_batch_layout_and_whole_pairs_in_micro_batches(tok):
-    from engine.offline.workers import pair_groups
+    from engine.workers.pairs import pair_groups
     from engine.workers.base import sample_sequences
     examples = [dict(index=i, prompt_ids=list(range(4, 5 + i)), chosen_ids=[7] * (1 + i % 3),
                      rejected_ids=[9] * (3 - i % 3)) for i in range(5)]

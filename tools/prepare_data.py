@@ -139,7 +139,7 @@ def _write_all(out_dir, write):
 
 
 def write_pairs(args, parser):
-    from engine.offline.data import arith_pairs, jsonl_pairs, write_preference_parquet
+    from engine.data.preference import arith_pairs, jsonl_pairs, write_preference_parquet
     if args.builtin:
         if args.builtin != "arith" or not args.out_dir:
             parser.error("--pairs --builtin supports arith, with --out-dir")

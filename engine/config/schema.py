@@ -8,7 +8,7 @@ from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from engine.errors import UserError
 from engine.metrics import LOGGERS
-from engine.offline.losses import DPO_LOSSES
+from engine.algorithms.pair_losses import DPO_LOSSES
 from engine.rollout.registry import backend_names
 from kernels.kl import KL_KINDS
 

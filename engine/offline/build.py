@@ -6,7 +6,7 @@ keys (micro-batch sizes count pairs); a reward model gets the scalar head (a seq
 classification checkpoint's `score.weight` when the path has one, else a fresh head).
 """
 from engine.data import pad_token_id
-from engine.offline.data import PreferenceDataset, arith_pairs
+from engine.data.preference import PreferenceDataset, arith_pairs
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
 
@@ -34,7 +34,7 @@ def build_offline(cfg, world_size):
     from engine.config import derive, validate_layout
     from engine.models.arch import arch_spec
     from engine.offline.trainer import DPOTrainer, RewardModelTrainer
-    from engine.offline.workers import DPOWorker, RewardModelTrainWorker
+    from engine.workers.pairs import DPOWorker, RewardModelTrainWorker
     from engine.loading import copy_weights, load_hf_config, load_tokenizer
     from parallel.mesh import init_mesh
 

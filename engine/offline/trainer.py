@@ -16,9 +16,9 @@ from megatron.core import parallel_state as ps
 
 from engine.data import pad_token_id
 from engine.metrics import MetricsLogger, Timer, compute_throughput_metrics
-from engine.offline.data import PairLoader, pair_batch
-from engine.offline.losses import bradley_terry_loss, dpo_loss
-from engine.offline.workers import sequence_log_probs
+from engine.data.preference import PairLoader, pair_batch
+from engine.algorithms.pair_losses import bradley_terry_loss, dpo_loss
+from engine.workers.pairs import sequence_log_probs
 
 
 class OfflineTrainer:

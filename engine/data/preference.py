@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from engine.batch import Batch
-from engine.data import PromptLoader, _is_empty, _is_messages, left_pad, write_prompt_parquet
+from engine.data.prompts import PromptLoader, is_empty, is_messages, left_pad, write_prompt_parquet
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 DROP_COUNTERS = ("data/dropped_empty", "data/dropped_identical", "data/dropped_overlong")
@@ -74,7 +74,7 @@ def _response_of(value, what, index):
     """(prompt messages before the response or None, response text) of a chosen/rejected cell."""
     if isinstance(value, str) or value is None:
         return None, value
-    if _is_messages(value):
+    if is_messages(value):
         if not value or value[-1].get("role") != "assistant":
             role = value[-1].get("role") if value else None
             raise ValueError(f"preference row {index}: {what}'s last message has role {role!r}; "
@@ -108,7 +108,7 @@ def text_problem(prompt, chosen, rejected):
     """'empty' / 'identical' / None: what makes a pair useless before tokenization. An empty
     rejected response is kept: the chosen answer beating no answer at all is a preference (a
     policy can stop at once, so a reward model should have seen it lose)."""
-    if _is_empty(prompt) or not (chosen or "").strip() or rejected is None:
+    if is_empty(prompt) or not (chosen or "").strip() or rejected is None:
         return "empty"
     if chosen == rejected:
         return "identical"
@@ -163,7 +163,7 @@ class PreferenceDataset:
                          "data.truncation='filter' to drop such rows")
 
     def _prompt_ids(self, prompt):
-        if _is_messages(prompt):
+        if is_messages(prompt):
             if self.use_chat_template:  # the template places bos etc.
                 text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False,
                                                           add_generation_prompt=True)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.offline.losses import bradley_terry_loss, dpo_loss
+from engine.algorithms.pair_losses import bradley_terry_loss, dpo_loss
 from engine.workers.actor import ActorWorker
 from engine.workers.base import MegatronWorker
 from parallel.schedule import split_by_count, split_by_tokens

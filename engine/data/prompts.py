@@ -70,16 +70,16 @@ def read_prompt_rows(files):
     return rows
 
 
-def _is_messages(prompt):
+def is_messages(prompt):
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt)
 
 
-def _is_empty(prompt):
+def is_empty(prompt):
     if prompt is None:
         return True
     if isinstance(prompt, str):
         return not prompt.strip()
-    if _is_messages(prompt):
+    if is_messages(prompt):
         return not any(str(m.get("content") or "").strip() for m in prompt)
     return False
 
@@ -120,14 +120,14 @@ class PromptDataset:
                         "data.truncation='filter' to drop such rows")
 
     def _prompt_text(self, prompt):
-        if _is_messages(prompt):
+        if is_messages(prompt):
             if self.use_chat_template:
                 return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             return "\n".join(str(m.get("content") or "") for m in prompt)
         return str(prompt)
 
     def _tokenize(self, prompt):
-        if _is_messages(prompt) and self.use_chat_template:  # the template already placed bos etc.
+        if is_messages(prompt) and self.use_chat_template:  # the template already placed bos etc.
             return self.tokenizer(self._prompt_text(prompt), add_special_tokens=False)["input_ids"]
         return self.tokenizer(self._prompt_text(prompt), add_special_tokens=True)["input_ids"]
 
@@ -136,7 +136,7 @@ class PromptDataset:
             raise DataError(f"prompt data row {index}{self._where} has no field {self.prompt_key!r} "
                             f"(fields: {sorted(row)}); set data.prompt_key to the prompt column")
         prompt = row[self.prompt_key]
-        if _is_empty(prompt):
+        if is_empty(prompt):
             return self._bad_row("data/filtered_empty_prompt", index, f"field {self.prompt_key!r} is empty")
         reward_model = row.get("reward_model") or {}
         ground_truth = reward_model.get("ground_truth")
