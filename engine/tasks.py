@@ -14,7 +14,7 @@
     copy  d: a number with d+1 digits
     code  0: a one-line function; 1: a loop; 2: a small algorithm
 
-Rows follow the parquet prompt schema of engine/data.py; their `data_source` selects the
+Rows follow the parquet prompt schema of engine/data/prompts.py; their `data_source` selects the
 reward: for arith / copy the graded one of engine/rewards/arith.py (dense enough for GRPO to
 rise from random init), for code the sandboxed tests.
 """

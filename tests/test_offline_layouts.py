@@ -5,7 +5,7 @@ gives the same updated weights under DP 1 / 2, TP 2, PP 2, micro-batches of 1 / 
 dynamic (token-budget) micro-batches and unpacked rows (fp32; Adam's first step moves each weight
 by ~lr, so differences stay at fp32 rounding: atol 1e-5 with lr 1e-3). And the loss the update
 reports equals the formula applied to scores / log-probs that transformers computes from the
-same checkpoint, written out here independently of engine/offline/losses.py.
+same checkpoint, written out here independently of engine/algorithms/pair_losses.py.
 """
 import dataclasses
 

@@ -160,7 +160,7 @@ def write_pairs(args, parser):
             write_preference_parquet(rows, args.output)
         except UnicodeDecodeError as e:
             raise DataError(f"{args.input}: not UTF-8 text (byte {e.start}); save the JSONL as UTF-8") from None
-        except ValueError as e:  # engine/offline/data.py: a malformed line or column, named
+        except ValueError as e:  # engine/data/preference.py: a malformed line or column, named
             raise DataError(str(e)) from None
         print(f"wrote {len(rows)} pairs to {args.output}; dropped {json.dumps(dropped)}")
     else:

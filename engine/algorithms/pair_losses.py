@@ -6,6 +6,10 @@ DPO, with h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r)) over w
 (summed token log-probs):
     sigmoid  -log sigmoid(beta h)                 (Rafailov et al. 2023)
     ipo      (h - 1 / (2 beta))^2                 (Azar et al. 2023, on sequence log-probs)
+
+DPO_LOSSES names the allowed algorithm.dpo.loss_type values (engine/config/schema.py).
+
+Tests: tests/test_offline_layouts.py, tests/test_offline_config.py
 """
 import torch.nn.functional as F
 

@@ -12,13 +12,15 @@ rejected_key) in one of the formats users have:
                  algorithm.dpo.precomputed_ref_log_probs: summed reference log-probs of the
                  responses, tokenized exactly as here)
 
-Prompts are tokenized like engine/data.py's (the chat template with a generation prompt when
+Prompts are tokenized like prompts.py's (the chat template with a generation prompt when
 the tokenizer has one); a response is its text's tokens plus eos, as the rollout produces.
 Bad rows follow `data.truncation` as prompts do: 'error' raises naming the row; 'filter' drops
 and counts them (`data/dropped_empty`, `data/dropped_identical`, `data/dropped_overlong`);
 'left' / 'right' cut an over-long prompt on that side and an over-long response at its end
 (`data/truncated_pairs`), other bad rows raise. HF `datasets` directories are not read (the
 package is not a dependency): convert them to parquet first.
+
+Tests: tests/test_preference_data.py, tests/test_offline_trainers.py
 """
 import json
 import math

@@ -15,6 +15,8 @@ an empty prompt, a rule-reward row without ground truth, or a prompt longer than
     'filter' drop the row and count it in `filter_counts`
     'left'   keep the last max_prompt_length tokens of an over-long prompt (other bad rows raise)
     'right'  keep the first max_prompt_length tokens of an over-long prompt (other bad rows raise)
+
+Tests: tests/test_data.py, tests/test_pad_token.py, tests/test_offline_ppo.py
 """
 import os
 from dataclasses import dataclass, field

@@ -45,7 +45,7 @@ def compute_score(task, solution_str, ground_truth, extra_info=None):
 
 
 def make_rows(task, n, seed, split, **task_kwargs):
-    """Parquet prompt rows (engine/data.py schema) from a reasoning-gym generator."""
+    """Parquet prompt rows (engine/data/prompts.py schema) from a reasoning-gym generator."""
     import reasoning_gym
     rows = []
     for i, entry in enumerate(reasoning_gym.create_dataset(task, size=n, seed=seed, **task_kwargs)):

@@ -1,12 +1,14 @@
 """The trainable offline models on Megatron: a reward model (the critic's scalar head, read at
 each sequence's last token as RewardModelWorker scores) and the DPO policy (the actor).
 
-A batch holds 2 x pairs sequences, chosen at row 2i, rejected at 2i+1 (offline/data.py). A
+A batch holds 2 x pairs sequences, chosen at row 2i, rejected at 2i+1 (engine/data/preference.py). A
 micro-batch holds whole pairs (each pair's loss needs both of its scores), so micro-batch
 sizes count pairs and a dynamic token budget counts a pair's two sequences together. Every
 micro-batch loss is a sum over its pairs divided by the mini-batch's global pair count (all
 micro-batches, all DP ranks): micro-batching, dynamic batching, DP, TP and PP give the same
-gradients, as for the PPO losses.
+gradients, as for the PPO losses. The per-pair losses: engine/algorithms/pair_losses.py.
+
+Tests: tests/test_offline_layouts.py, tests/test_preference_data.py, tests/test_offline_trainers.py
 """
 from collections import defaultdict
 
