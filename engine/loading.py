@@ -103,7 +103,7 @@ def load_datasets(cfg, tokenizer):
                                                     difficulty=data.builtin_task_difficulty)
         return PromptDataset(train_rows, **kw), PromptDataset(val_rows, **kw)
     if data.offline_path is not None:  # logged responses: the prompts and what answered them
-        from engine.experience_offline import LoggedDataset
+        from engine.data.logged import LoggedDataset
         train = LoggedDataset(data.offline_path, n=cfg.actor_rollout_ref.rollout.n,
                               response_length=cfg.actor_rollout_ref.rollout.response_length
                               or data.max_response_length,

@@ -188,7 +188,7 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
     rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
     if rollout is not None:
-        from engine.hybrid import hand_back
+        from engine.rollout.colocated import hand_back
         hand_back(rollout)
     actor = ActorWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad,
                         response_length=response_length)
@@ -299,14 +299,14 @@ def _config_dir(hf_config, tokenizer):
 def serve_pool(cfg, bridge, n_train):
     """A separate pool's rank: its part of the rollout groups, serving the trainers' requests."""
     from engine.config import derive
+    from engine.experience.context import engine_generate
     from engine.rollout.pool import serve
-    from engine.trainer import Trainer
     tokenizer = load_tokenizer(cfg)
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
     group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
     try:
-        serve(bridge, group, n_train, generate=Trainer._engine_generate)
+        serve(bridge, group, n_train, generate=engine_generate)
     finally:
         group.shutdown()
 

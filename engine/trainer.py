@@ -6,12 +6,15 @@ timed and tested alone. Data parallelism splits a step's prompts by DP rank (all
 of a prompt stay on one rank, so group advantages are local); generation is split over the
 rollout groups (one engine each, on the group's leader) and each DP replica receives exactly
 the responses it trains on (engine/rollout/group.py).
+
+What a step's parts need (phases, sampling, generation, scoring, the weight sync) reaches them
+through the StepContext (engine/experience/context.py), never through this object.
+
+Tests: tests/test_trainer_paths.py, tests/test_actor_formula.py, tests/test_e2e.py, tests/test_layering.py
 """
-import contextlib
 import dataclasses
 import os
 import random
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -22,20 +25,18 @@ from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine import faults
-from engine.checkpoint_state import reseed_rng
+from engine.checkpoint import reseed_rng
 from engine.data import PromptLoader, pad_token_id
-from engine.experience import Pool
-from engine.experience_sources import build_experience
+from engine.experience.context import StepContext
+from engine.experience.pool import Pool, connect
+from engine.experience.scoring import replica_groups
+from engine.experience.sources import build_experience
 from engine.guards import StepGuard
-from engine.hybrid import HybridEngine
+from engine.rollout.colocated import HybridEngine
 from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp, rollout_probs_diff_metrics)
 from engine.perf import CommTimer, model_flops_params, step_flops
-from engine.phase import set_phase
-from engine.scoring import replica_groups, reward_extra_metrics, score_once_per_replica
-from engine.rollout.batches import sampling_params, training_batch
 from engine.validation import validate, validate_from
-from parallel.cpu import suspended as cpu_function_mode_suspended
 
 
 class Trainer:
@@ -52,12 +53,6 @@ class Trainer:
         self.peak_flops = c.peak_flops
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        # where a step's batch comes from (engine/experience.py); it may prepare it as the loader
-        # makes the prompt batch (in the prefetch thread with data.dataloader_num_workers > 0)
-        self.experience = build_experience(cfg)
-        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers,
-                                   prepare=lambda prompts: self.experience.prepare(self, prompts))
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
         arr = cfg.actor_rollout_ref
@@ -65,39 +60,46 @@ class Trainer:
         guarded = self.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
         self.total_steps = cfg.trainer.total_training_steps
-        self.step_count = 0
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
         # the ranks sharing this DP index (TP x PP x CP) hold the same data: rewards are scored
         # once per replica, on its first rank, and broadcast in this group
-        self.replicas, self.replica_group = replica_groups(self.rank, self.world, self.dp_rank)
-        if c.bridge is not None:  # a separate rollout pool
-            self.experience = self._pool(c.bridge, derived)
-        self.watch = c.watch  # the phase / collective in flight, for a failed collective's report
+        replicas, replica_group = replica_groups(self.rank, self.world, self.dp_rank)
+        # where a step's batch comes from (engine/experience/); it may prepare it as the loader
+        # makes the prompt batch (in the prefetch thread with data.dataloader_num_workers > 0)
+        pool = connect(derived, c.bridge, self.world, replicas) if c.bridge is not None else None
+        self.experience = build_experience(cfg, pool)
+        self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers,
+                                   prepare=lambda prompts: self.experience.prepare(self.ctx, prompts))
         self.guard = StepGuard(cfg.trainer.max_nonfinite_skips, cfg.trainer.rollback_lr_factor)
         for worker in (self.actor, self.critic):
             if worker is not None:
                 worker.oom_retries = cfg.trainer.oom_retry
         workers = {"actor": self.actor, "critic": self.critic, "ref": self.ref,
                    "reward_model": self.reward_model}
-        self.hybrid = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
-                                   arr.rollout.update_weights_bucket_megabytes, derived.phases,
-                                   {k: w for k, w in workers.items() if w is not None})
+        self.colocated = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
+                                      arr.rollout.update_weights_bucket_megabytes, derived.phases,
+                                      {k: w for k, w in workers.items() if w is not None})
         self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
                                     project=cfg.trainer.project_name,
                                     experiment=cfg.trainer.experiment_name,
                                     total_steps=self.total_steps, rank=self.rank,
                                     config=dataclasses.asdict(cfg))
-        self.pad_id = pad_token_id(self.tokenizer)  # decided once (engine.data), as the workers' and engines'
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
+        self.ctx = StepContext(
+            derived, self.colocated, self.rollout, self.reward_fn, self.reward_model, self.ref, self.actor,
+            self.hf_config, self.loader, self.train_data, pad_token_id(self.tokenizer), self.eos_ids,
+            self.dp, self.dp_rank, self.rank, replicas, replica_group, self.total_steps,
+            watch=c.watch, comm=self.comm)
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
+        if self.critic is not None:
+            self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
         plan = derived.actor
         # decided from the config, the same on every rank (the skipped forward has collectives)
         self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
                                    and plan.mini_batches_per_epoch == 1
                                    and not alg.use_kl_in_reward and cfg.trainer.off_policy_steps == 0
                                    and not self.experience.needs_old_log_probs)
-        if self.critic is not None:
-            self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
         # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
         # the reward, it runs before the old-log-prob pass, which computes the KL from them
         self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
@@ -105,15 +107,24 @@ class Trainer:
         self.keep_ref_hidden = self.full_kl_in_reward or (
             arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
 
+    @property
+    def step_count(self):
+        """Steps trained so far (the StepContext's count: the step's parts read it there)."""
+        return self.ctx.step
+
+    @step_count.setter
+    def step_count(self, value):
+        self.ctx.step = value
+
     # -- the loop --------------------------------------------------------------------------
     def fit(self):
         trainer = self.cfg.trainer
         self.resume()
         if trainer.val_before_train and trainer.test_freq > 0 and self.step_count == 0:
             self.logger.log(self.validate(), self.step_count)
-        self.first_step = self.step_count
+        self.ctx.first_step = self.step_count
         while self.step_count < self.total_steps:
-            prompts = self.experience.prompts(self)
+            prompts = self.experience.prompts(self.ctx)
             faults.set_step(self.step_count + 1)
             metrics = self.train_step(prompts)
             self.step_count += 1
@@ -131,165 +142,81 @@ class Trainer:
             out = os.path.join(trainer.default_local_dir, "hf", f"step_{self.step_count}")
             source = self.cfg.actor_rollout_ref.model.path
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            self.hybrid.enter("checkpoint")
-            dist.barrier()
-            save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
-            if self.rank == 0 and not source:  # a built-in task's tokenizer
-                self.tokenizer.save_pretrained(out)
+            with self.ctx.phase("save_checkpoint"):
+                dist.barrier()
+                save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
+                if self.rank == 0 and not source:  # a built-in task's tokenizer
+                    self.tokenizer.save_pretrained(out)
         self.logger.close()
         if self.comm is not None:  # torch.distributed's functions back as they were
             self.comm.uninstall()
-        if isinstance(self.experience, Pool):
-            self.experience.client.stop()
+        self.experience.finish()
         return self.step_count
 
     def train_step(self, prompts):
-        """One PPO iteration on a batch of prompts; returns its metrics."""
-        timings = defaultdict(float)
-        cfg = self.cfg
+        """One PPO iteration on a batch of prompts, a column of phases; returns its metrics."""
+        ctx = self.ctx
+        timings = ctx.begin_step()
         with Timer("step", timings):
-            batch, collected = self.experience.collect(self, prompts, timings)
-            extra = {}
+            batch, metrics = self.experience.collect(ctx, prompts)  # update_weights, gen (...)
             if "token_level_scores" not in batch:  # else logged, or scored by the source
-                self.hybrid.enter("reward")
-                with self._phase("reward", timings):
-                    batch["token_level_scores"], extra = self.compute_scores(batch)
-            metrics = self._reward_extra_metrics(extra)
-            metrics.update(collected)
+                metrics.update(ctx.reward_metrics(ctx.score(batch)))  # reward
             if self.ref is not None and self.full_kl_in_reward:
-                self._reference_pass(batch, timings)
+                self.reference_pass(batch)  # ref (its hidden states feed the exact KL below)
             if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
-                self.hybrid.enter("old_log_prob")
-                with self._phase("old_log_prob", timings):
-                    out = self.actor.forward_outputs(
-                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
-                        with_full_kl=self.full_kl_in_reward, **self.derived.forward["actor"].kwargs())
-                    batch["old_log_probs"] = out["log_prob"]
-                    if self.full_kl_in_reward:
-                        batch["old_full_kl"] = out["full_kl"]
-                if "rollout_log_probs" in batch and "old_log_probs" in batch:  # rollout's vs training's
-                    metrics.update(rollout_probs_diff_metrics(
-                        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
-                        ps.get_data_parallel_group()))
+                metrics.update(self.old_log_prob_pass(batch))  # old_log_prob
             if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
-                self._reference_pass(batch, timings)
+                self.reference_pass(batch)  # ref
             if self.critic is not None:
-                self.hybrid.enter("values")
-                with self._phase("values", timings):
-                    batch["values"] = self.critic.compute_values(batch, **self.derived.forward["critic"].kwargs())
-            with self._phase("adv", timings):
+                with ctx.phase("values"):
+                    batch["values"] = self.critic.compute_values(batch, **ctx.forward_split("critic"))
+            with ctx.phase("adv"):
                 metrics.update(self.compute_rewards(batch))
                 batch = self.compute_advantages(batch)
-                metrics.update(self.experience.after_advantages(self, batch))  # IS, PF-PPO weights
+                metrics.update(self.experience.after_advantages(ctx, batch))  # IS, PF-PPO weights
             # NaN / Inf rewards (a broken verifier, a reward model gone bad) train nothing
             finite = self.guard.finite(batch["token_level_rewards"])
             metrics["train/applied_update"] = 0.0
             if finite and self.critic is not None:
-                self.hybrid.enter("critic_update")
-                with self._phase("update_critic", timings):
+                with ctx.phase("update_critic"):
                     metrics.update(self.critic.update_critic(batch, **self.derived.critic.update.kwargs()))
             if finite:
-                self.hybrid.enter("actor_update")
-                with self._phase("update_actor", timings):
+                with ctx.phase("update_actor"):
                     metrics.update(self.actor.update_policy(
-                        batch, temperature=cfg.actor_rollout_ref.rollout.temperature,
+                        batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                         kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
                 steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
                 metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
-        metrics.update(self._global_data_metrics(batch))
-        metrics.update(timings)
-        if self.comm is not None:  # seconds blocked in collectives, per phase
-            metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
-            self.comm.seconds.clear()
-        metrics.update(self._perf_metrics(batch, timings))
-        if self.kl_guard is not None:
-            metrics.update(self._apply_kl_guard(metrics))
-        metrics["training/epoch"] = prompts.epoch
-        # what the data policy (data.truncation) did to the training set's bad rows
-        metrics.update(self.train_data.filter_counts)
-        metrics["data/truncated_prompts"] = self.train_data.num_truncated
+        metrics.update(self.step_metrics(prompts, batch, timings))
         return metrics
 
     # -- steps -----------------------------------------------------------------------------
-    def _reference_pass(self, batch, timings):
+    def reference_pass(self, batch):
         """Reference log-probs; for the exact KL also its hidden states and output-weight shard
         (host memory, last pipeline stage only: see engine/workers/actor.py)."""
-        self.hybrid.enter("ref")
-        with self._phase("ref", timings):
+        with self.ctx.phase("ref"):
             out = self.ref.forward_outputs(
                 batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                with_hidden=self.keep_ref_hidden, **self.derived.forward["ref"].kwargs())
+                with_hidden=self.keep_ref_hidden, **self.ctx.forward_split("ref"))
         batch["ref_log_prob"] = out["log_prob"]
         if "hidden" in out:
             batch["ref_hidden"] = out["hidden"]
             batch.meta["ref_output_weight"] = out["output_weight"]
 
-    def sync_weights(self):
-        """The colocated sync: training state out, the actor's weights into the rollout engines,
-        their KV cache in; ends in the generate phase."""
-        return self.hybrid.sync()
-
-    @contextlib.contextmanager
-    def _phase(self, name, timings):
-        """Time a phase, and attribute the collectives it blocks in to it (profile_comm)."""
-        faults.act(name)
-        if self.watch is not None:
-            self.watch.phase = name
-        if self.comm is not None:
-            self.comm.phase = name
-        set_phase(name)  # what a launcher reports if this rank dies here (engine.launch_ray)
-        with Timer(name, timings):
-            yield
-        set_phase("training")
-        if self.comm is not None:
-            self.comm.phase = "other"
-
-    def _sampling(self, train=True, greedy=False):
-        return sampling_params(self.cfg.actor_rollout_ref.rollout, self.eos_ids, self.step_count,
-                               train=train, greedy=greedy)
-
-    def _my_prompts(self, prompts):
-        """This DP rank's contiguous share of the step's prompts."""
-        per = len(prompts) // self.dp
-        return list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
-
-    @staticmethod
-    def _engine_generate(engine, prompt_ids, sampling, keys):
-        # the rollout engine runs no Megatron code, so on CPU it runs without parallel.cpu's
-        # per-op device rewriting (a no-op elsewhere)
-        with cpu_function_mode_suspended():
-            return engine.generate(prompt_ids, sampling, keys=keys)
-
-    def generate(self, prompts, sampling, n=None, rows=None):
-        """Responses for this DP rank's prompts as a training Batch (n per prompt, prompt-major).
-
-        Each rollout group's leader generates the group's share of the step's prompts and sends
-        every DP replica the responses of its own prompts (collective over all ranks).
-        """
-        n = sampling.n if n is None else n
-        got = self.rollout.generate_for_replicas(list(prompts.input_ids), list(prompts.indices),
-                                                 sampling, generate=self._engine_generate)
-        self.route_bytes = self.rollout.route_bytes
-        r = self.cfg.actor_rollout_ref.rollout
-        rows = self._my_prompts(prompts) if rows is None else rows
-        return training_batch(prompts, got, rows, n, self.pad_id, r.prompt_length, r.response_length,
-                              raw_chat=self.cfg.data.return_raw_chat)
-
-    def compute_scores(self, batch):
-        """Rule rewards by data_source, plus the reward model's score when one is enabled, scored
-        once per model-parallel replica (engine/scoring.py); the reward model's forward runs on
-        every rank (it is model-parallel itself)."""
-        # [B] scores, or [B, R] token rewards (reward_model.token_level=implicit)
-        model_scores = self.reward_model.scores_for(self, batch) if self.reward_model else None
-        return score_once_per_replica(self.reward_fn, batch, model_scores, self.cfg.reward_model.rule_reward,
-                                      self.rank, self.replicas[self.dp_rank][0], self.replica_group)
-
-    def _reward_extra_metrics(self, extra):
-        return reward_extra_metrics(extra, self.dp)
-
-    def _scores(self, batch):
-        scores, _ = self.compute_scores(batch)
-        return scores.sum(-1)
+    def old_log_prob_pass(self, batch):
+        """The actor's log-probs of the responses before the update (and the exact in-reward KL
+        from the reference's hidden states); the rollout-vs-training probability gap."""
+        with self.ctx.phase("old_log_prob"):
+            out = self.actor.forward_outputs(
+                batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                with_full_kl=self.full_kl_in_reward, **self.ctx.forward_split("actor"))
+            batch["old_log_probs"] = out["log_prob"]
+            if self.full_kl_in_reward:
+                batch["old_full_kl"] = out["full_kl"]
+        if "rollout_log_probs" not in batch:
+            return {}
+        return rollout_probs_diff_metrics(batch["old_log_probs"], batch["rollout_log_probs"],
+                                          batch["response_mask"], ps.get_data_parallel_group())
 
     def compute_rewards(self, batch):
         """token_level_rewards = scores, minus the in-reward KL penalty when configured."""
@@ -328,6 +255,23 @@ class Trainer:
         return t
 
     # -- metrics ---------------------------------------------------------------------------
+    def step_metrics(self, prompts, batch, timings):
+        """What a step logs besides its phases' own: the global batch's data metrics, timings,
+        collectives (profile_comm), throughput / MFU, the KL guard, the data policy's counts."""
+        metrics = self._global_data_metrics(batch)
+        metrics.update(timings)
+        if self.comm is not None:  # seconds blocked in collectives, per phase
+            metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
+            self.comm.seconds.clear()
+        metrics.update(self._perf_metrics(batch, timings))
+        if self.kl_guard is not None:
+            metrics.update(self._apply_kl_guard(metrics))
+        metrics["training/epoch"] = prompts.epoch
+        # what the data policy (data.truncation) did to the training set's bad rows
+        metrics.update(self.train_data.filter_counts)
+        metrics["data/truncated_prompts"] = self.train_data.num_truncated
+        return metrics
+
     def _global_data_metrics(self, batch):
         local = compute_data_metrics(
             batch["token_level_scores"], batch["token_level_rewards"], batch["advantages"],
@@ -379,39 +323,25 @@ class Trainer:
         return out
 
     # -- validation --------------------------------------------------------------------------
-    def _pool(self, bridge, derived):
-        """The training end of a separate rollout pool (engine/rollout/pool.py)."""
-        from engine.rollout.pool import PoolClient, pool_ranks
-        replicas = self.replicas
-        t = self.cfg.trainer
-        train, pool = pool_ranks(self.world + t.rollout_pool_ranks, t.rollout_pool_ranks)
-        from engine.rollout.registry import backend_class
-        groups = derived.rollout_topology.groups
-        leaders = [pool.start + g.leader for g in groups]
-        direct = backend_class(self.cfg.actor_rollout_ref.rollout.name).WEIGHTS_FROM_DISTRIBUTED
-        client = PoolClient(bridge, train, pool, replicas, leaders, tps=[g.tp for g in groups] if direct else None,
-                            device=t.device, timeout_s=t.collective_timeout_s)
-        return Pool(self.cfg, client, t.off_policy_steps)
-
     def validate(self):
         if self.val_data is None or len(self.val_data) == 0:
             return {}
+        ctx = self.ctx
         if isinstance(self.experience, Pool):
-            self.experience.before_validation(self)
-            return validate_from(self.experience.client.validate(
-                [self.val_data[i]["input_ids"] for i in range(len(self.val_data))], self._sampling(train=False)),
-                self.val_data, self.tokenizer, self.reward_fn, self.eos_ids)
-        self.sync_weights()
-        self.hybrid.enter("validate")
-        return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
-                        self._sampling(train=False), self.eos_ids,
-                        batch_size=self.cfg.data.val_batch_size, generate=self._engine_generate)
+            prompt_ids = [self.val_data[i]["input_ids"] for i in range(len(self.val_data))]
+            return validate_from(self.experience.validate(ctx, prompt_ids), self.val_data, self.tokenizer,
+                                 self.reward_fn, self.eos_ids)
+        ctx.sync_weights()
+        with ctx.phase("testing"):
+            return validate(self.rollout, self.val_data, self.tokenizer, self.reward_fn,
+                            ctx.sampling(train=False), self.eos_ids,
+                            batch_size=self.cfg.data.val_batch_size, generate=ctx.run_engine)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self):
         # no RNG here: this dict is rank 0's; the checkpoint manager saves and restores every
         # rank's own RNG states (python / numpy / torch / CUDA / Megatron's tracker)
-        return {"step": self.step_count, "loader": self.experience.loader_state(self),
+        return {"step": self.step_count, "loader": self.experience.loader_state(self.ctx),
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
@@ -449,9 +379,9 @@ class Trainer:
 
     def save(self):
         if self.checkpoints is not None:
-            self.hybrid.enter("checkpoint")
-            self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
-                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+            with self.ctx.phase("save_checkpoint"):
+                self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
+                                      contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
 
     def rollback(self):
         """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
@@ -460,9 +390,9 @@ class Trainer:
         guard = self.guard.state_dict()
         path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
         if path is not None:
-            self.hybrid.enter("checkpoint")
-            self.load_state_dict(self.checkpoints.load(path, self.workers(),
-                                                       rng_seed=self.cfg.trainer.seed))
+            with self.ctx.phase("save_checkpoint"):  # the memory a checkpoint's states need
+                self.load_state_dict(self.checkpoints.load(path, self.workers(),
+                                                           rng_seed=self.cfg.trainer.seed))
             self.logger.truncate_after(self.step_count)
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))

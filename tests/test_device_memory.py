@@ -141,14 +141,14 @@ def _colocated(tmp, capacity):
         sglang.RECORDS.clear()
         t = _trainer(["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                       f"actor_rollout_ref.rollout.gpu_memory_utilization={FRACTION}"], tmp)
-        t.hybrid.record = True
+        t.colocated.record = True
         for _ in range(2):
             t.train_step(t.loader.next_batch())
-        t.hybrid.to_training()
+        t.colocated.to_training()
         t.rollout.shutdown()
         model_path = next(e["kwargs"]["model_path"] for e in sglang.RECORDS if e["kind"] == "init") \
             if t.rollout.is_leader else None
-        return dict(records=[e for e in sglang.RECORDS if e["kind"] != "generate"], log=t.hybrid.log,
+        return dict(records=[e for e in sglang.RECORDS if e["kind"] != "generate"], log=t.colocated.log,
                     model_path=model_path)
     finally:
         for key in (device_memory.DIR_ENV, device_memory.BYTES_ENV):
@@ -170,7 +170,7 @@ def test_colocated_engine_gets_its_share_and_training_hands_memory_back(tmp_path
     assert memory["pre"] == capacity and memory["weights_bytes"] == weights
     assert memory["kv_pool_bytes"] == int(FRACTION * capacity - weights)
     for rank, res in enumerate(results):  # the engine's share on both devices (its TP workers' GPUs)
-        gens = [e for e in res["log"] if e["phase"] == "generate"]
+        gens = [e for e in res["log"] if e["phase"] == "gen"]
         assert len(gens) == 2
         for e in gens:
             training = sum(sum(states.values()) for states in e["models"].values())

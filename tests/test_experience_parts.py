@@ -11,8 +11,8 @@ import torch
 
 from engine.algorithms.correction import correction_metrics, rollout_is_weights, score_weights
 from engine.config import ConfigError, load_config
-from engine.dynamic_sampling import informative_groups, reshard_plan
-from engine.replay import ReplayBuffer, pf_select
+from engine.experience.dynamic_sampling import informative_groups, reshard_plan
+from engine.experience.replay import ReplayBuffer, pf_select
 from tests.test_config_keys import DEMO
 
 
@@ -119,7 +119,7 @@ def _logged_rows():
 
 def test_logged_dataset_groups_responses_by_prompt(tmp_path):
     from engine.data import write_prompt_parquet
-    from engine.experience_offline import LoggedDataset
+    from engine.data.logged import LoggedDataset
     from engine.tasks import build_tokenizer
     tok = build_tokenizer()
     path = str(tmp_path / "log.parquet")
@@ -153,7 +153,7 @@ def test_logged_dataset_groups_responses_by_prompt(tmp_path):
 
 def test_replay_buffer_state_survives_a_weights_only_checkpoint(tmp_path):
     from engine.batch import Batch
-    from engine.checkpoint_files import load_safe, save_safe
+    from engine.checkpoint.files import load_safe, save_safe
     buf = ReplayBuffer(capacity=2, group_size=2)
     for step in range(3):
         buf.add(step, Batch({"x": torch.arange(4) + 10 * step},

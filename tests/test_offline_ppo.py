@@ -43,8 +43,8 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def collect(self, trainer, prompts, timings):
-        batch, metrics = self.inner.collect(trainer, prompts, timings)
+    def collect(self, ctx, prompts):
+        batch, metrics = self.inner.collect(ctx, prompts)
         self.batches.append((prompts, batch))
         return batch, metrics
 
@@ -66,7 +66,7 @@ def _online_then_log(tmp):
     start = _weights(t)
     metrics = t.train_step(t.loader.next_batch())
     prompts, batch = t.experience.batches[0]
-    rows, mine = [], t._my_prompts(prompts)
+    rows, mine = [], t.ctx.my_rows(prompts)
     for k in range(len(batch)):
         m = batch["response_mask"][k].bool()
         rows.append({"prompt": prompts.raw_prompts[mine[k // 4]],

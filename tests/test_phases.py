@@ -25,22 +25,22 @@ def test_schedule_rules():
     s = _derive(GAE + OFFLOAD).phases
     assert set(s.models) == {"actor", "critic", "ref"}
     # a model's offloaded states come back only where it runs; the rest stays everywhere
-    assert s.resident("generate", "actor") == {"grads"}
-    assert s.resident("sync", "actor") == {"params", "grads"}  # params: the weights are sent
-    assert s.resident("actor_update", "actor") == {"params", "grads", "optimizer"}
+    assert s.resident("gen", "actor") == {"grads"}
+    assert s.resident("update_weights", "actor") == {"params", "grads"}  # params: the weights are sent
+    assert s.resident("update_actor", "actor") == {"params", "grads", "optimizer"}
     assert s.resident("old_log_prob", "actor") == {"params", "grads"}
-    assert s.resident("generate", "critic") == {"params"}
-    assert s.resident("critic_update", "critic") == {"params", "grads", "optimizer"}
+    assert s.resident("gen", "critic") == {"params"}
+    assert s.resident("update_critic", "critic") == {"params", "grads", "optimizer"}
     assert s.resident("values", "critic") == {"params"}
-    assert s.resident("ref", "ref") == {"params"} and s.resident("actor_update", "ref") == set()
-    assert s.resident("checkpoint", "critic") == {"params", "grads", "optimizer"}
+    assert s.resident("ref", "ref") == {"params"} and s.resident("update_actor", "ref") == set()
+    assert s.resident("save_checkpoint", "critic") == {"params", "grads", "optimizer"}
     # the rollout: weights for the sync, KV cache only once they are in, nothing while training
-    assert s.rollout("sync") == {"weights"} and s.rollout("generate") == {"weights", "kv_cache"}
-    assert s.rollout("actor_update") == set()
+    assert s.rollout("update_weights") == {"weights"} and s.rollout("gen") == {"weights", "kv_cache"}
+    assert s.rollout("update_actor") == set()
     keep = _derive(GAE + ["actor_rollout_ref.rollout.free_cache_engine=false"]).phases
-    assert keep.rollout("actor_update") == {"weights", "kv_cache"}
+    assert keep.rollout("update_actor") == {"weights", "kv_cache"}
     none = _derive([]).phases  # nothing offloaded: every state everywhere
-    assert all(none.resident(p, "actor") == {"params", "grads", "optimizer"} for p in ("generate", "ref"))
+    assert all(none.resident(p, "actor") == {"params", "grads", "optimizer"} for p in ("gen", "ref"))
 
 
 def test_planner_reads_the_same_schedule():
@@ -53,11 +53,11 @@ def test_planner_reads_the_same_schedule():
     kept, off = plan([]), plan(["actor_rollout_ref.actor.megatron.param_offload=true"])
     actor = kept["models"]["actor"]
     # the actor's parameters leave for generation in both the trainer's schedule and the plan
-    assert kept["schedule"]["generate"]["actor"] == ["grads", "optimizer", "params"]
-    assert off["schedule"]["generate"]["actor"] == ["grads", "optimizer"]
-    assert kept["phases"]["generate"] - off["phases"]["generate"] == pytest.approx(actor["weights"])
+    assert kept["schedule"]["gen"]["actor"] == ["grads", "optimizer", "params"]
+    assert off["schedule"]["gen"]["actor"] == ["grads", "optimizer"]
+    assert kept["phases"]["gen"] - off["phases"]["gen"] == pytest.approx(actor["weights"])
     assert off["schedule"] == _derive(GAE + ["actor_rollout_ref.actor.megatron.param_offload=true"]).phases.table()
-    assert kept["peak_phase"] in kept["phases"] and set(kept["phases"]) >= {"sync", "generate", "actor_update"}
+    assert kept["peak_phase"] in kept["phases"] and set(kept["phases"]) >= {"update_weights", "gen", "update_actor"}
 
 
 def _measured_phases(overrides, tmp):
@@ -75,22 +75,22 @@ def _measured_phases(overrides, tmp):
     set_seed(cfg.trainer.seed)
     derived, components = build(cfg, 2)
     t = Trainer(derived, components)
-    t.hybrid.record = True
-    full = {name: w.resident_bytes() for name, w in t.hybrid.workers.items()}
+    t.colocated.record = True
+    full = {name: w.resident_bytes() for name, w in t.colocated.workers.items()}
     for _ in range(2):
         t.train_step(t.loader.next_batch())
     t.validate()
-    t.hybrid.enter("checkpoint")
-    return dict(log=t.hybrid.log, full=full, table=derived.phases.table())
+    t.colocated.enter("save_checkpoint")
+    return dict(log=t.colocated.log, full=full, table=derived.phases.table())
 
 
 def test_trainer_executes_the_schedule(tmp_path):
     every_phase = ["actor_rollout_ref.actor.on_policy_old_log_prob=false"]  # old_log_prob runs too
     for rank, res in enumerate(run_on_ranks(_measured_phases, 2, GAE + OFFLOAD + every_phase, str(tmp_path))):
         phases = [e["phase"] for e in res["log"]]
-        assert phases[:8] == ["sync", "generate", "reward", "old_log_prob", "ref", "values",
-                              "critic_update", "actor_update"]
-        assert {"validate", "checkpoint"} <= set(phases)
+        assert phases[:8] == ["update_weights", "gen", "reward", "old_log_prob", "ref", "values",
+                              "update_critic", "update_actor"]
+        assert {"testing", "save_checkpoint"} <= set(phases)
         for entry in res["log"]:
             want = res["table"][entry["phase"]]
             assert entry["rollout"] == want["rollout"], entry["phase"]
@@ -102,6 +102,6 @@ def test_trainer_executes_the_schedule(tmp_path):
                     else:
                         assert nbytes == 0, (rank, entry["phase"], model, state, nbytes)
         # the offload switches really freed something in the generate phase
-        gen = next(e for e in res["log"] if e["phase"] == "generate")["models"]
+        gen = next(e for e in res["log"] if e["phase"] == "gen")["models"]
         assert gen["actor"]["params"] == 0 and res["full"]["actor"]["params"] > 0
         assert gen["ref"]["params"] == 0 and gen["critic"]["params"] > 0

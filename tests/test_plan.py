@@ -163,7 +163,7 @@ def test_cpu_estimate_matches_measured_peak(case):
     world, tp, sp, model, micro, n_micro, seq = case
     cfg = from_dict(_recipe(model, world, tp, sp, micro, n_micro, seq))
     # the planner's actor_update phase (engine/config/phases.py): the phase this loop measures
-    predicted = estimate(cfg, world, gpu_mem_gib=64, device="cpu")["phases"]["actor_update"]
+    predicted = estimate(cfg, world, gpu_mem_gib=64, device="cpu")["phases"]["update_actor"]
     measured = max(_run_fresh(world, model, tp, sp, micro, n_micro, seq))
     print(f"\n{case[:3]} predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB "
           f"({(predicted - measured) / measured:+.1%})")
@@ -190,18 +190,18 @@ def test_kv_pool_and_reserved_memory_follow_engine_start_and_cache():
     assert e["rollout_share"] == pytest.approx(0.6 * start)
     phases, reserved = e["phases"], e["reserved"]
     # emptied before the rollout resumes: what is allocated is all that is reserved
-    assert reserved["generate"] == phases["generate"] and reserved["sync"] == phases["sync"]
+    assert reserved["gen"] == phases["gen"] and reserved["update_weights"] == phases["update_weights"]
     # after the update the offloaded states are freed into the cache: the update's peak stays
-    training = [p for p in ("reward", "old_log_prob", "ref", "values", "critic_update", "actor_update")
+    training = [p for p in ("reward", "old_log_prob", "ref", "values", "update_critic", "update_actor")
                 if p in phases]
-    assert phases["checkpoint"] < phases["actor_update"] == max(phases[p] for p in training)
-    assert reserved["checkpoint"] == phases["actor_update"]
+    assert phases["save_checkpoint"] < phases["update_actor"] == max(phases[p] for p in training)
+    assert reserved["save_checkpoint"] == phases["update_actor"]
     assert reserved["ref"] == max(phases[p] for p in training[:training.index("ref") + 1])
     assert e["free"] == pytest.approx(e["capacity"] - max(reserved.values()))
     # an engine that never gives memory back: training's cache is never emptied
     keep = estimate(load_config(demo, over + ["actor_rollout_ref.rollout.free_cache_engine=false"]), 2,
                     gpu_mem_gib=16, device="cuda")
     share = keep["rollout_share"]
-    assert keep["reserved"]["generate"] == pytest.approx(
+    assert keep["reserved"]["gen"] == pytest.approx(
         max(v - share for v in keep["phases"].values()) + share)
-    assert keep["reserved"]["generate"] > keep["phases"]["generate"]
+    assert keep["reserved"]["gen"] > keep["phases"]["gen"]

@@ -35,13 +35,13 @@ def _trainer(overrides, tmp, logger="[]"):
 
 def _record_generation(t):
     """The trainer's generate, keeping what it returned (a wrapper of the real method)."""
-    generated, real = [], t.generate
+    generated, real = [], t.ctx.generate
 
-    def generate(prompts, sampling, n=None, rows=None):
-        out = real(prompts, sampling, n=n, rows=rows)
+    def generate(prompts, sampling, n=None):
+        out = real(prompts, sampling, n=n)
         generated.append(out)
         return out
-    t.generate = generate
+    t.ctx.generate = generate
     return generated
 
 

@@ -44,13 +44,13 @@ def _sglang_groups(tmp):
         metrics = t.train_step(prompts)  # sync, generate, train: the whole step
         t.sync_weights()                 # a second sync: every weight again, once
         batch = t.generate(prompts, t._sampling(train=True))
-        t.hybrid.to_training()
+        t.colocated.to_training()
         t.rollout.shutdown()
         return dict(records=list(sglang.RECORDS), dp_rank=ps.get_data_parallel_rank(),
                     uids=list(batch["uid"]), indices=list(prompts.indices),
                     inputs=[list(x) for x in prompts.input_ids],
                     responses=batch["responses"].tolist(), mask=batch["response_mask"].tolist(),
-                    grad_norm=metrics["actor/grad_norm"], route_bytes=t.route_bytes,
+                    grad_norm=metrics["actor/grad_norm"], route_bytes=t.rollout.route_bytes,
                     hf_names=sorted(_hf_names(t)))
     finally:
         sys.path.remove(FAKES)
@@ -118,9 +118,9 @@ def _cpu_rollout_tp(rollout_tp, tmp):
     t.sync_weights()
     batch = t.generate(prompts, t._sampling(train=True))
     holds = t.rollout.engine is not None
-    t.hybrid.to_training()
+    t.colocated.to_training()
     return dict(responses=batch["responses"].tolist(), logps=batch["rollout_log_probs"].tolist(),
-                uids=list(batch["uid"]), holds_engine=holds, route_bytes=t.route_bytes)
+                uids=list(batch["uid"]), holds_engine=holds, route_bytes=t.rollout.route_bytes)
 
 
 def test_cpu_rollout_tp2_draws_the_same_responses_as_tp1(tmp_path):
@@ -142,8 +142,8 @@ def _route_bytes(world, tmp):
     prompts = t.loader.next_batch()
     t.sync_weights()
     t.generate(prompts, t._sampling(train=True))
-    t.hybrid.to_training()
-    return t.route_bytes
+    t.colocated.to_training()
+    return t.rollout.route_bytes
 
 
 def test_routing_traffic_per_rank_does_not_grow_with_the_world(tmp_path):

@@ -55,7 +55,7 @@ def _scores(tmp, *extra):
     t = Trainer(*build(cfg, 2))
     prompts = t.loader.next_batch()
     batch, _ = t.experience.collect(t, prompts, defaultdict(float))
-    t.hybrid.enter("reward")
+    t.colocated.enter("reward")
     scores, extra_info = t.compute_scores(batch)
     metrics = t.train_step(t.loader.next_batch())  # and a whole step through it
     return dict(scores=scores, model_score=extra_info["model_score"], metrics=metrics,

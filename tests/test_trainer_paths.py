@@ -71,7 +71,7 @@ def _spy_update(t, before=None):
 def _spy_generate(t):
     """Record every request the rollout engine gets: (prompts, sampling, responses)."""
     calls = []
-    generate = t._engine_generate
+    generate = t.ctx.run_engine
 
     def spy(engine, prompt_ids, sampling, keys):
         out = generate(engine, prompt_ids, sampling, keys)
@@ -79,12 +79,12 @@ def _spy_generate(t):
                           greedy=sampling.greedy, temperature=sampling.temperature,
                           responses=[list(r) for r in out.responses]))
         return out
-    t._engine_generate = spy
+    t.ctx.run_engine = spy
     return calls
 
 
 def _finish(t):
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
 
 

@@ -160,20 +160,20 @@ def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_token
     sync adds one bucket of full tensors. `split`: also {phase: the rollout's part}."""
     out, held = {}, {}
     for phase in PHASES:
-        if phase in ("old_log_prob", "ref", "values", "critic_update", "reward") and \
+        if phase in ("old_log_prob", "ref", "values", "update_critic", "reward") and \
                 RUNS[phase][0] not in models:
             continue
         total = 0.0
         for name, mem in models.items():
             total += sum(mem[STATE_KEYS[st]] for st in schedule.resident(phase, name))
         runner, trains = RUNS.get(phase, (None, False))
-        if runner in models and phase != "sync":
+        if runner in models and phase != "update_weights":
             mem = models[runner]
             total += mem["activations"] if trains else mem["forward_activations"]
         memory = schedule.rollout(phase)
         held[phase] = (max(rollout_share, rollout["weights_per_gpu"]) if "kv_cache" in memory
                        else rollout["weights_per_gpu"] if "weights" in memory else 0.0)
-        if phase == "sync":
+        if phase == "update_weights":
             total += bucket
         out[phase] = total + held[phase]
     return (out, held) if split else out

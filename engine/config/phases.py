@@ -1,6 +1,6 @@
 """The colocated memory schedule: for every phase of a PPO step, which state of which model is
 on the device, and which part of the rollout engine's memory. One object, derived once from the
-config; the trainer executes it (engine/hybrid.py) and tools/plan.py computes each phase's peak
+config; the trainer executes it (engine/rollout/colocated.py) and tools/plan.py computes each phase's peak
 from it, so the plan describes the schedule that runs.
 
 A model keeps on the device, in every phase, whatever its `megatron.*_offload` switches leave
@@ -12,28 +12,39 @@ The sync into a colocated rollout engine runs in this order (`SYNC_ORDER`): the 
 gradients and optimizer state go first, then the rollout takes its weights memory back, the
 weights are sent, the actor's parameters go (when `param_offload`), and only then does the
 rollout take its KV cache back. After generation it gives both back (unless
-`rollout.free_cache_engine=false`, which keeps them through training).
+`rollout.free_cache_engine=false`, which keeps them through training) as soon as a model needs
+the device: rule rewards run on the host, so without a reward model the rollout keeps its memory
+through the reward phase (dynamic sampling's next generation needs no new sync).
+
+Phase names are verl's timer names (`PHASE_NAMES`: the schedule's phases plus `adv`, which
+moves no memory): the memory schedule, the step's timers (`timing_s/<name>`), the launcher's
+reports and fault injection all use them (engine/experience/context.py StepContext.phase).
 
 Storage a model offloads is freed into torch's caching allocator, where the rollout's processes
 cannot use it: before the rollout resumes weights or KV cache, training hands its cache back to
-the device (`cache_emptied`; engine/hybrid.py, parallel/device_memory.py). Between two such points
+the device (`cache_emptied`; engine/rollout/colocated.py, parallel/device_memory.py). Between two such points
 the training process keeps reserved the most it allocated, which tools/plan.py reports per phase
 beside what is allocated. The engines are built before the training models (engine/train.py),
 so SGLang's KV pool is mem_fraction_static x the free device less the weights.
+
+Tests: tests/test_phases.py, tests/test_plan.py, tests/test_device_memory.py
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PHASES = ("sync", "generate", "reward", "old_log_prob", "ref", "values", "critic_update",
-          "actor_update", "validate", "checkpoint")
+from engine.rollout.base import ROLLOUT_MEMORY
+
+PHASES = ("update_weights", "gen", "reward", "old_log_prob", "ref", "values", "update_critic",
+          "update_actor", "testing", "save_checkpoint")
+# every phase a step runs, in step order: the schedule's and the advantage computation (host only)
+PHASE_NAMES = PHASES[:6] + ("adv",) + PHASES[6:]
 STATES = ("params", "grads", "optimizer")
-ROLLOUT_MEMORY = ("weights", "kv_cache")
 # the model that runs in a phase, and whether it trains there
-RUNS = {"sync": ("actor", False), "reward": ("reward_model", False), "old_log_prob": ("actor", False),
-        "ref": ("ref", False), "values": ("critic", False), "critic_update": ("critic", True),
-        "actor_update": ("actor", True)}
-ROLLOUT_PHASES = ("sync", "generate", "validate")
+RUNS = {"update_weights": ("actor", False), "reward": ("reward_model", False), "old_log_prob": ("actor", False),
+        "ref": ("ref", False), "values": ("critic", False), "update_critic": ("critic", True),
+        "update_actor": ("actor", True)}
+ROLLOUT_PHASES = ("update_weights", "gen", "testing")
 OFFLOAD_SWITCH = {"params": "param_offload", "grads": "grad_offload", "optimizer": "optimizer_offload"}
 SAVED = ("actor", "critic")  # what a checkpoint holds: every state of these is read while saving
 SYNC_ORDER = ("offload training grads and optimizer state", "empty training's cache",
@@ -54,15 +65,16 @@ class PhaseSchedule:
         has = frozenset(self.models[model])
         keep = has - self.offloaded[model]
         runner, trains = RUNS.get(phase, (None, False))
-        if runner == model or (phase == "checkpoint" and model in SAVED):
-            keep |= has if trains or phase == "checkpoint" else {"params"}
+        if runner == model or (phase == "save_checkpoint" and model in SAVED):
+            keep |= has if trains or phase == "save_checkpoint" else {"params"}
         return keep
 
     def rollout(self, phase: str) -> frozenset:
         """Rollout memory on the device during `phase` (the sync ends with both)."""
-        if self.keep_rollout or phase in ("generate", "validate"):
+        host_reward = phase == "reward" and "reward_model" not in self.models  # nothing needs the device
+        if self.keep_rollout or phase in ("gen", "testing") or host_reward:
             return frozenset(ROLLOUT_MEMORY)
-        return frozenset({"weights"}) if phase == "sync" else frozenset()
+        return frozenset({"weights"}) if phase == "update_weights" else frozenset()
 
     def cache_emptied(self, phase: str) -> bool:
         """Whether training's cached memory goes back to the device as `phase` begins: where the
@@ -77,7 +89,7 @@ class PhaseSchedule:
         out, held = {}, 0.0
         for _ in range(2):
             for phase in (p for p in PHASES if p in allocated):
-                if phase == "validate" and self.cache_emptied(phase):
+                if phase == "testing" and self.cache_emptied(phase):
                     out[phase] = allocated[phase]
                     continue
                 held = allocated[phase] if self.cache_emptied(phase) else max(held, allocated[phase])

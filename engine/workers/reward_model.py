@@ -27,9 +27,9 @@ class RewardModelWorker(MegatronWorker):
         for p in (p for c in self.chunks for p in c.parameters()):
             p.requires_grad_(False)
 
-    def scores_for(self, trainer, batch):
-        """The trainer's call (in its reward phase): [B] scores."""
-        return self.compute_scores(batch, **trainer.derived.forward["reward_model"].kwargs())
+    def scores_for(self, ctx, batch):
+        """The reward phase's call (ctx: the StepContext): [B] scores."""
+        return self.compute_scores(batch, **ctx.forward_split("reward_model"))
 
     @torch.no_grad()
     def compute_scores(self, batch: Batch, *, micro_batch_size=None, max_tokens=None) -> torch.Tensor:
@@ -49,12 +49,11 @@ class ImplicitRewardWorker(ReferenceWorker):
         super().__init__(hf_config, rm_cfg.megatron, rm_cfg.model, pad_token_id=pad_token_id)
         self.cfg, self.beta = rm_cfg, beta
 
-    def scores_for(self, trainer, batch):
-        """[B, R] token rewards. The reference runs in its own phase (its parameters may be
-        offloaded in the reward phase), then this model in the reward phase."""
-        forward = trainer.derived.forward
-        trainer.hybrid.enter("ref")
-        ref = trainer.ref.compute_log_prob(batch, temperature=1.0, **forward["ref"].kwargs())
-        trainer.hybrid.enter("reward")
-        own = self.compute_log_prob(batch, temperature=1.0, **forward["reward_model"].kwargs())
+    def scores_for(self, ctx, batch):
+        """[B, R] token rewards (ctx: the StepContext). The reference runs in its own phase
+        inside the reward phase (its parameters may be offloaded in the reward phase), then this
+        model back in the reward phase."""
+        with ctx.phase("ref"):
+            ref = ctx.ref.compute_log_prob(batch, temperature=1.0, **ctx.forward_split("ref"))
+        own = self.compute_log_prob(batch, temperature=1.0, **ctx.forward_split("reward_model"))
         return implicit_token_rewards(own, ref, batch["response_mask"], beta=self.beta)

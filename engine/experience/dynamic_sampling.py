@@ -18,9 +18,10 @@ after a few batches the ranks hold different numbers k_r of informative groups. 
 Every DP rank then trains on exactly q groups, and the mini-batch plan holds. Counted per step:
 `batch/num_gen_batches`, `batch/filtered_groups` (dropped for equal metrics), `batch/kept_groups`
 (informative, before trimming), `batch/rerouted_groups`. The extra prompt batches come from the
-trainer's loader, whose position is checkpointed: a resumed run sees the same batches.
+step's prompt loader, whose position is checkpointed: a resumed run sees the same batches.
+
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
 """
-import dataclasses
 from collections import defaultdict
 
 import torch
@@ -28,8 +29,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.batch import Batch
-from engine.experience import Online
-from engine.rollout.group import _recv, _send
+from engine.experience.online import Online
+from engine.rollout.group import recv_object as _recv, send_object as _send
 
 
 def informative_groups(values, n):
@@ -50,27 +51,23 @@ def reshard_plan(counts, q):
 
 
 class DynamicSampling(Online):
-    def collect(self, trainer, prompts, timings):
-        cfg, fg = trainer.cfg, trainer.cfg.algorithm.filter_groups
-        n, dp = cfg.actor_rollout_ref.rollout.n, trainer.dp
+    def collect(self, ctx, prompts):
+        cfg, fg = ctx.cfg, ctx.cfg.algorithm.filter_groups
+        n, dp = cfg.actor_rollout_ref.rollout.n, ctx.dp
         q = len(prompts) // dp
-        sync = self.sync(trainer, timings)
+        sync = ctx.sync_weights()
         kept, extras, tries, filtered = [], defaultdict(list), 0, 0
         while True:
             tries += 1
             if tries > 1:
-                prompts = trainer.loader.next_batch()
-                if trainer.reward_model is not None:  # the reward phase took the rollout's memory
-                    self.sync(trainer, timings)
-            base = trainer._sampling(train=True)
-            sampling = dataclasses.replace(base, seed=base.seed + 7919 * (tries - 1))  # fresh samples per try
-            batch = self.generate(trainer, prompts, timings, sampling)
+                prompts = ctx.loader.next_batch()
+                if not ctx.rollout_ready():  # a reward model's phase took the rollout's memory
+                    ctx.sync_weights()
+            base = ctx.sampling(train=True)
+            batch = self.generate(ctx, prompts, ctx.sampling(train=True, seed=base.seed + 7919 * (tries - 1)))
             if tries > 1:  # a prompt may come again in a later batch (next epoch): its own group
                 batch["uid"] = [(tries, u) for u in batch["uid"]]
-            if trainer.reward_model is not None:
-                trainer.hybrid.enter("reward")
-            with trainer._phase("reward", timings):
-                batch["token_level_scores"], extra = trainer.compute_scores(batch)
+            extra = ctx.score(batch)
             for k, v in extra.items():
                 extras[k] += list(v)
             values = self._metric(batch, extra, fg.metric)
@@ -88,10 +85,10 @@ class DynamicSampling(Online):
                     f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} (0: no bound), "
                     "or use easier prompts")
         moves = reshard_plan(counts, q)
-        batch = Batch.concat(self._reshard(kept, moves, q, trainer.dp_rank))
+        batch = Batch.concat(self._reshard(kept, moves, q, ctx.dp_rank))
         totals = torch.tensor([filtered, len(kept)], dtype=torch.float64)
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
-        metrics = trainer._reward_extra_metrics(extras)
+        metrics = ctx.reward_metrics(extras)
         metrics.update({"perf/update_weights_gb": sync.bytes / 1e9, "batch/num_gen_batches": float(tries),
                         "batch/filtered_groups": float(totals[0]), "batch/kept_groups": float(totals[1]),
                         "batch/rerouted_groups": float(len(moves))})

@@ -1,33 +1,24 @@
-"""Offline PPO / GRPO from logged responses (`data.offline_path`): no generation, no reward
-computation; the step's prompts are answered by the responses and rewards someone logged.
+"""Logged responses for offline PPO / GRPO (`data.offline_path`): parquet rows of prompt,
+response and reward, grouped by prompt (the experience source is engine/experience/logged.py).
 
 A parquet row holds
-    prompt               (data.prompt_key) text or chat messages, tokenized like engine/data.py's
+    prompt               (data.prompt_key) text or chat messages, tokenized like prompts.py's
     response             text (its tokens plus eos, as a finished generation) or token ids as is
     reward | score       the response's scalar reward (one of the two columns)
-    rollout_log_probs    optional: the behaviour policy's log-prob of each response token; with
-                         algorithm.rollout_correction.rollout_is the update weighs each token by
-                         min(pi_old / mu, rollout_is_threshold) (engine/algorithms/correction.py)
+    rollout_log_probs    optional: the behaviour policy's log-prob of each response token
     data_source, reward_model.ground_truth, extra_info   optional, carried along
 
 Rows with the same prompt form its group, which must hold exactly actor_rollout_ref.rollout.n
-responses (GRPO compares them; PPO with n=1 takes one per prompt). Each distinct prompt is one
-row of the prompt dataset, so the seeded, resumable PromptLoader orders them and its prefetch
-thread (data.dataloader_num_workers) lays out the next step's Batch while the current one
-trains (`Logged.prepare`). The layout is the rollout's (engine/rollout/batches.training_batch)
-and the reward sits on the last response token, as the reward manager puts it.
+responses. Each distinct prompt is one row of the prompt dataset, so the seeded, resumable
+PromptLoader orders them.
+
+Tests: tests/test_experience_parts.py, tests/test_offline_ppo.py
 """
 import json
 import math
 import os
-import threading
 
-import torch
-
-from engine.data import PromptDataset, read_prompt_rows
-from engine.experience import Source
-from engine.rewards.manager import last_token_index
-from engine.rollout.batches import training_batch
+from engine.data.prompts import PromptDataset, read_prompt_rows
 
 SCORE_COLUMNS = ("reward", "score")
 LOG_PROB_COLUMN = "rollout_log_probs"
@@ -135,38 +126,3 @@ class LoggedDataset(PromptDataset):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"data.offline_path row {i}: {present[0]}={value!r} is not a finite number")
         return float(value)
-
-
-class Logged(Source):
-    """The step's logged groups as this DP rank's Batch; `token_level_scores` from the log, and
-    `rollout_log_probs` the behaviour policy's when logged."""
-
-    def prepare(self, trainer, prompts):
-        prompts.meta["experience"] = self._layout(trainer, prompts)
-        prompts.meta["prepared_in"] = threading.current_thread().name  # the prefetch thread, or main
-
-    def collect(self, trainer, prompts, timings):
-        batch = prompts.meta.pop("experience", None)
-        if batch is None:  # a batch the loader did not prepare
-            batch = self._layout(trainer, prompts)
-        return batch, {}
-
-    @staticmethod
-    def _layout(trainer, prompts):
-        data, r = trainer.train_data, trainer.cfg.actor_rollout_ref.rollout
-        rows = trainer._my_prompts(prompts)
-        got, scores = {}, []
-        for i in rows:
-            log = data.logged(prompts.indices[i])
-            lps = log["log_probs"] or [[0.0] * len(t) for t in log["responses"]]
-            got[i] = (log["responses"], lps, None)
-            scores += log["scores"]
-        batch = training_batch(prompts, got, rows, r.n, trainer.pad_id, r.prompt_length, r.response_length,
-                               raw_chat=trainer.cfg.data.return_raw_chat)
-        if not data.has_log_probs:  # no behaviour policy logged: nothing to correct against
-            batch = batch.select([k for k in batch.keys() if k != "rollout_log_probs"])
-        mask = batch["response_mask"]
-        token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-        token_scores[torch.arange(len(scores)), last_token_index(mask)] = torch.tensor(scores)
-        batch["token_level_scores"] = token_scores
-        return batch

@@ -1,5 +1,5 @@
 """Replay buffer and PF-PPO policy filtration (`algorithm.replay`), around any experience
-source (engine/experience.py).
+source (engine/experience/base.py).
 
 Each step, after the fresh responses are scored:
 
@@ -21,6 +21,8 @@ groups per step and draws as many: equal batches everywhere, with no traffic. Th
 by (trainer.seed, step, DP rank), so a resumed run draws the same groups. The buffer is
 trainer state: `state_dict` gathers every DP rank's buffer to rank 0 (which writes the trainer
 state); on resume each rank takes its own back (same DP size required).
+
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
 """
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from megatron.core import parallel_state as ps
 
 from engine.algorithms.correction import score_weights
 from engine.batch import Batch
-from engine.experience import Source
+from engine.experience.base import Source
 
 COUNTS = ("fresh_samples", "replayed_samples", "filtered_samples", "buffer_samples",
           "fresh_score_sum", "kept_score_sum", "replayed_score_sum")
@@ -102,25 +104,28 @@ class Replay(Source):
         # replayed groups make the batch larger than the plan's one mini-batch
         return self.inner.needs_old_log_probs or self.cfg.ratio > 0 or super().needs_old_log_probs
 
-    def prepare(self, trainer, prompts):
-        self.inner.prepare(trainer, prompts)
+    def prompts(self, ctx):
+        return self.inner.prompts(ctx)
 
-    def collect(self, trainer, prompts, timings):
-        fresh, metrics = self.inner.collect(trainer, prompts, timings)
+    def loader_state(self, ctx):
+        return self.inner.loader_state(ctx)
+
+    def prepare(self, ctx, prompts):
+        self.inner.prepare(ctx, prompts)
+
+    def collect(self, ctx, prompts):
+        fresh, metrics = self.inner.collect(ctx, prompts)
         if "token_level_scores" not in fresh:  # the filter and the buffer need the rewards now
-            trainer.hybrid.enter("reward")
-            with trainer._phase("reward", timings):
-                fresh["token_level_scores"], extra = trainer.compute_scores(fresh)
-            metrics.update(trainer._reward_extra_metrics(extra))
+            metrics.update(ctx.reward_metrics(ctx.score(fresh)))
         scores = fresh["token_level_scores"].sum(-1)
         kept = fresh
         if self.cfg.filter in ("best", "best_worst"):
             kept = fresh.index_select(pf_select(scores, self.n, self.cfg.keep, self.cfg.filter))
         groups = len(fresh) // self.n
-        generator = torch.Generator().manual_seed(hash((self.seed, trainer.step_count, trainer.dp_rank))
+        generator = torch.Generator().manual_seed(hash((self.seed, ctx.step, ctx.dp_rank))
                                                   & ((1 << 63) - 1))
         replayed = self.buffer.draw(min(round(self.cfg.ratio * groups), len(self.buffer)), generator)
-        self.buffer.add(trainer.step_count, kept)
+        self.buffer.add(ctx.step, kept)
         batch = Batch.concat([kept] + replayed)
         old = Batch.concat(replayed) if replayed else None
         local = [len(kept), len(batch) - len(kept), len(fresh) - len(kept),
@@ -135,7 +140,7 @@ class Replay(Source):
                 metrics[f"replay/{what}_score_mean"] = total[f"{what}_score_sum"] / count
         return batch, metrics
 
-    def after_advantages(self, trainer, batch):
+    def after_advantages(self, ctx, batch):
         metrics = {}
         if self.cfg.filter == "reweight":
             scores = batch["token_level_scores"].sum(-1)
@@ -144,7 +149,7 @@ class Replay(Source):
             w = score_weights(scores, self.cfg.weight_pow, total, count)
             batch["advantages"] = batch["advantages"] * w.to(batch["advantages"].dtype)[:, None]
             metrics["replay/weight_max"] = _dp_max(float(w.max()) if len(w) else 0.0)
-        metrics.update(super().after_advantages(trainer, batch))
+        metrics.update(super().after_advantages(ctx, batch))
         return metrics
 
     # -- trainer state ---------------------------------------------------------------------

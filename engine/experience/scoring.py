@@ -6,6 +6,8 @@ group: a non-deterministic scorer (wall-clock sandbox, LLM judge, a random custo
 cannot give ranks holding the same data different rewards, and the sandbox runs once per
 sample, not TP x PP x CP times. The reward model's forward is model-parallel itself and runs
 on every rank (its scores arrive here as `model_scores`).
+
+Tests: tests/test_replica_scoring.py, tests/test_trainer_paths.py
 """
 from typing import Optional
 
