@@ -4,7 +4,7 @@ A colocated rollout engine (SGLang) runs in processes of its own that allocate t
 driver (torch_memory_saver's cuMemCreate), so what it can take is what the *device* has free,
 not what torch in the training process has free. Storage freed by parallel/offload.py goes back
 to torch's caching allocator and stays reserved by this process until `empty_cache()`:
-`return_to_device()` is the call that hands it back (engine/hybrid.py makes it before the
+`return_to_device()` is the call that hands it back (engine/rollout/colocated.py makes it before the
 rollout resumes its weights and its KV cache).
 
 On CUDA every figure is torch's: `torch.cuda.memory_reserved` / `memory_allocated`,

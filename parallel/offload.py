@@ -9,7 +9,7 @@ the mechanism is the one that runs on GPU (and is what the tests exercise).
 
 Freed storage goes back to torch's caching allocator, not to the device: another process (a
 colocated SGLang engine) can use it only after `parallel.device_memory.return_to_device()`,
-which engine/hybrid.py calls before the rollout resumes. Every move is reported to
+which engine/rollout/colocated.py calls before the rollout resumes. Every move is reported to
 parallel.device_memory (on CPU its simulated allocator keeps the freed bytes reserved).
 """
 from typing import Dict, Iterable

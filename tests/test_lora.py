@@ -184,7 +184,7 @@ def _hf_log_probs(model, batch):
 
 
 def _lora_step(layout_kwargs, targets):
-    from engine.hybrid import sync_weights
+    from engine.rollout.colocated import sync_weights
     from engine.rollout.cpu import CPURollout
     from parallel.shards import iter_global
 

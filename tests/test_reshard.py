@@ -1,5 +1,5 @@
 """Hybrid engine: training layout -> full tensors (parallel/reshard.py) -> rollout engine
-(engine/hybrid.py).
+(engine/rollout/colocated.py).
 
 Weights are generated from their global names (test_layouts' generator), so the full tensors a
 layout reshards to can be checked bit-exactly against the generator, and the rollout's logits
@@ -141,7 +141,7 @@ def _updated_weight(name, shape):
 
 
 def _sync_run(family, layout_kwargs, bucket_megabytes):
-    from engine.hybrid import sync_weights
+    from engine.rollout.colocated import sync_weights
     from engine.models.weights import global_shapes
     from engine.rollout.cpu import CPURollout
     from parallel.shards import load_global, local_shards
@@ -215,7 +215,7 @@ def _cycles_run(cycles, bucket_megabytes):
     """update -> sync -> generate -> release, `cycles` times; RSS after each phase."""
     import ctypes
 
-    from engine.hybrid import HybridEngine
+    from engine.rollout.colocated import HybridEngine
     from engine.perf import proc_status_bytes
     from engine.rollout.base import SamplingParams
     from engine.rollout.cpu import CPURollout

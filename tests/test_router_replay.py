@@ -75,7 +75,7 @@ def _replaying_actor(hf, replay, packed, sequence_parallel=False):
     PROMPTS recorded there; then the actor's routers are flipped, so its own routing disagrees
     with the record (as after a policy update). Returns (actor, batch, rollout output)."""
     from engine.config import ActorConfig, MegatronConfig, ModelConfig
-    from engine.hybrid import sync_weights
+    from engine.rollout.colocated import sync_weights
     from engine.rollout.cpu import CPURollout
     from engine.workers.actor import ActorWorker
     from parallel.shards import load_global, local_shards

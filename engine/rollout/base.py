@@ -5,11 +5,13 @@ A weight sync is a series of ``update_weights`` calls, each with one bucket of f
 ``finish_weight_update()`` which validates completeness and flushes any cached KV.
 Between phases of a colocated PPO step the engine gives its memory back with
 ``release_memory()`` and takes it again with ``resume_memory()``; weights must be
-re-sent after a resume.
+re-sent after a resume. `ROLLOUT_MEMORY` names the two parts of that memory.
+Which backend runs for a config is decided in engine/rollout/registry.py.
+
+Tests: tests/test_rollout_cpu.py, tests/test_sglang_double.py, tests/test_sglang_contract.py
 """
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -19,6 +21,10 @@ import torch
 FINISH_STOP = "stop"      # ended on an eos / stop token (the token is part of the response)
 FINISH_LENGTH = "length"  # hit max_new_tokens
 FINISH_ABORT = "abort"    # the engine gave up on it (SGLang: out of KV cache): never trained on
+# the rollout's memory tags, in the order a colocated engine takes them back (weights, then the KV
+# cache); release_memory / resume_memory take them, the memory schedule (engine/config/phases.py)
+# says which are resident in each phase
+ROLLOUT_MEMORY = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
-        """Free weights and KV cache (or only the `tags` given: 'weights', 'kv_cache')."""
+        """Free weights and KV cache (or only the `tags` given, from ROLLOUT_MEMORY)."""
 
     @abstractmethod
     def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
@@ -171,7 +177,3 @@ class RolloutEngine(ABC):
         for bucket in buckets:
             self.update_weights(bucket)
         self.finish_weight_update()
-
-
-def sglang_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None

@@ -16,6 +16,10 @@ Routing: `topology.route_plan` gives each group a share of the step's prompts an
 replica its training shard; a leader sends each replica's first rank (its relay) only the
 responses that replica trains on, and the relay broadcasts them inside the replica. Bytes per
 rank therefore follow its own data, not world x batch (`route_bytes` counts them).
+`send_object` / `recv_object` (a pickled object between two ranks) also carry dynamic sampling's
+kept groups between replicas (engine/experience/dynamic_sampling.py).
+
+Tests: tests/test_rollout_groups.py, tests/test_rollout_topology.py, tests/test_replay_dynamic.py
 """
 from __future__ import annotations
 
@@ -30,13 +34,16 @@ from engine.rollout.topology import RolloutTopology, replicas_of, route_plan, sp
 from parallel.mesh import node_address
 
 
-def _send(obj, dst) -> tuple[list, int]:
+def send_object(obj, dst) -> tuple[list, int]:
+    """Send a picklable `obj` to rank `dst` without waiting: (the requests to wait on, the buffers
+    to keep alive until then, its size in bytes). `recv_object(src)` on `dst` receives it."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.long)
     return [dist.isend(size, dst), dist.isend(data, dst)], [size, data], data.numel()
 
 
-def _recv(src):
+def recv_object(src):
+    """The object rank `src` sent with `send_object`, and its size in bytes."""
     size = torch.empty(1, dtype=torch.long)
     dist.recv(size, src)
     data = torch.empty(int(size), dtype=torch.uint8)
@@ -148,7 +155,7 @@ class GroupedRollout:
             for d, prompts in plan.sends(self.group.index):
                 relay = self.replicas[d][0]
                 if relay != self.rank:
-                    reqs, bufs, size = _send({i: produced[i] for i in prompts}, relay)
+                    reqs, bufs, size = send_object({i: produced[i] for i in prompts}, relay)
                     pending += reqs
                     keep += bufs
                     moved += size
@@ -160,7 +167,7 @@ class GroupedRollout:
                 if leader == self.rank:
                     result.update({i: produced[i] for i in prompts})
                 else:
-                    part, size = _recv(leader)
+                    part, size = recv_object(leader)
                     result.update(part)
                     moved += size
         for req in pending:

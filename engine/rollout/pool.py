@@ -19,6 +19,10 @@ process group over every launched rank, set up once — carries the rest:
   that replica's prompts; the relay broadcasts them in its replica.
 
 Every batch carries the weight version it was generated with (staleness = step - 1 - version).
+The buckets are cut and renamed as for a colocated engine (engine/rollout/colocated.py:
+`bucket_bytes`, `to_hf_names`).
+
+Tests: tests/test_rollout_pool.py
 """
 import pickle
 from datetime import timedelta
@@ -131,7 +135,7 @@ class PoolClient:
 
     def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None):
         """Collective over the training world: every bucket to every pool rank."""
-        from engine.hybrid import _bucket_bytes, _to_hf
+        from engine.rollout.colocated import bucket_bytes, to_hf_names
         from parallel.reshard import iter_buckets
         from engine.rollout.update_group import broadcast_bucket, manifest
         self.version += 1
@@ -139,8 +143,8 @@ class PoolClient:
             for p in self.pool:
                 self.bridge.send(("weights", self.version), p)
         sent = 0
-        for bucket in iter_buckets(chunks, _bucket_bytes(bucket_megabytes), plan=plan):
-            named = _to_hf(hf_config, bucket)
+        for bucket in iter_buckets(chunks, bucket_bytes(bucket_megabytes), plan=plan):
+            named = to_hf_names(hf_config, bucket)
             if self.pg is not None:  # the manifest to the leaders, the tensors over the group
                 described = manifest(named)
                 for p in self.fed:

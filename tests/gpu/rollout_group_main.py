@@ -21,7 +21,7 @@ NEAR_TIE = 0.25  # bf16 kernels may pick the other of two logits closer than thi
 def main(out_path):
     from megatron.core import parallel_state as ps
 
-    from engine.hybrid import sync_weights
+    from engine.rollout.colocated import sync_weights
     from engine.models.builder import build_model
     from engine.rollout.base import SamplingParams
     from engine.rollout.group import GroupedRollout

@@ -1,5 +1,6 @@
-"""Hybrid engine, rollout side: the training model's weights streamed into a colocated rollout
-engine under their HuggingFace names.
+"""The colocated hand-off (the hybrid engine, rollout side): the training model's weights streamed
+into a rollout engine on the same devices under their HuggingFace names, and the rollout's memory
+moved as the memory schedule says.
 
 `parallel.reshard` turns the training layout into full tensors bucket by bucket (Megatron names);
 here each bucket is renamed / split into HF tensors (`engine.models.weights.megatron_to_hf`)
@@ -14,6 +15,13 @@ training runs (`HybridEngine.to_training`) and takes it again before the weights
 before the rollout (other processes) resumes anything, `parallel.device_memory.return_to_device`
 hands it to the device. SGLang sizes its KV pool from the memory free when the engine starts, so
 engine/train.py builds the engines before the training models and `hand_back` releases them.
+
+`bucket_bytes` and `to_hf_names` are shared with the separate pool (engine/rollout/pool.py), which
+sends the same buckets to other ranks. The schedule object comes from the config layer above
+(engine/config/phases.py); this module only reads its `rollout(phase)` and `resident(phase, model)`.
+
+Tests: tests/test_reshard.py, tests/test_device_memory.py, tests/test_lora.py, tests/test_router_replay.py,
+tests/test_rollout_groups.py
 """
 import time
 import weakref
@@ -22,8 +30,7 @@ from typing import Optional
 
 from engine.models import lora
 from engine.models.weights import megatron_to_hf
-from engine.config.phases import ROLLOUT_MEMORY
-from engine.rollout.base import RolloutEngine
+from engine.rollout.base import ROLLOUT_MEMORY, RolloutEngine
 from parallel import device_memory
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
@@ -41,14 +48,16 @@ class SyncStats:
                 "perf/update_weights_buckets": self.buckets}
 
 
-def _bucket_bytes(bucket_megabytes):
+def bucket_bytes(bucket_megabytes) -> int:
+    """The weight-sync bucket size in bytes (`update_weights_bucket_megabytes` MiB); refuses a
+    size that is not positive."""
     if not bucket_megabytes or bucket_megabytes <= 0:
         raise ValueError(f"bucket_megabytes={bucket_megabytes!r}: the weight-sync bucket must be a "
                          f"positive size in MiB (e.g. 512)")
     return max(1, int(bucket_megabytes * (1 << 20)))
 
 
-def _to_hf(hf_config, bucket):
+def to_hf_names(hf_config, bucket):
     """The bucket under HF names. Where the HF tensors are copies (split QKV, gate / up) the
     fused tensor is dropped as soon as it is split, so the bucket is not held twice."""
     named = []
@@ -124,14 +133,14 @@ def sync_weights(chunks, rollout, hf_config, bucket_megabytes: float = 512,
     counter = MemoryCounter()
     sent = buckets = 0
     plan = plan or sync_plan(chunks)
-    size = _bucket_bytes(bucket_megabytes)
+    size = bucket_bytes(bucket_megabytes)
     stream = (lora.merged_buckets(chunks, size, plan, hf_config, counter=counter)
               if isinstance(plan, lora.MergePlan)
               else iter_buckets(chunks, size, plan=plan, counter=counter))
     rollout.begin_sync()
     for bucket in stream:
         sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        rollout.load_bucket(_to_hf(hf_config, bucket))
+        rollout.load_bucket(to_hf_names(hf_config, bucket))
         buckets += 1
     rollout.finish_sync()
     return SyncStats(bytes=sent, buckets=buckets, seconds=time.perf_counter() - start,
@@ -147,7 +156,7 @@ class HybridEngine:
         engine = HybridEngine(chunks, rollout, hf_config, 512, schedule, {"actor": actor, ...})
         stats = engine.sync()          # grads/optimizer off, weights in, params off, KV cache on
         out = rollout.generate(...)
-        engine.enter("actor_update")   # the rollout gives its memory back, the actor's state returns
+        engine.enter("update_actor")   # the rollout gives its memory back, the actor's state returns
 
     Without a schedule (tests) there are no training models to move and the rollout takes its
     weights, then its KV cache, for a sync and gives both back on `to_training()`. The reshard
@@ -157,7 +166,7 @@ class HybridEngine:
 
     def __init__(self, chunks, rollout, hf_config, bucket_megabytes: float = 512, schedule=None,
                  workers: Optional[dict] = None):
-        _bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
+        bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
         self.chunks, self.rollout, self.hf_config = chunks, as_group(rollout), hf_config
         self.bucket_megabytes = bucket_megabytes
         self.schedule, self.workers = schedule, dict(workers or {})
@@ -172,7 +181,7 @@ class HybridEngine:
     def _rollout_wanted(self, phase):
         if self.schedule is not None:
             return set(self.schedule.rollout(phase))
-        return {"weights"} if phase == "sync" else set(ROLLOUT_MEMORY) if phase == "generate" else set()
+        return {"weights"} if phase == "update_weights" else set(ROLLOUT_MEMORY) if phase == "gen" else set()
 
     def plan(self):
         """The reshard plan (built on first use: collective); a lora.MergePlan for a LoRA actor
@@ -209,8 +218,8 @@ class HybridEngine:
                                  device=dict(reserved=device_memory.reserved(), free=device_memory.free())))
 
     def enter(self, phase: str) -> None:
-        """Move memory to what `phase` needs (not 'sync': use `sync()`)."""
-        if phase == "sync":
+        """Move memory to what `phase` needs (not 'update_weights': use `sync()`)."""
+        if phase == "update_weights":
             raise ValueError("the sync phase runs in an order of its own: call sync()")
         if self.workers:
             self._models_to(phase)
@@ -221,16 +230,20 @@ class HybridEngine:
         """Collective: the colocated sync (phases.SYNC_ORDER); ends ready to generate."""
         self.plan()
         if self.workers:
-            self._models_to("sync")  # training grads and optimizer state leave first
-        self._rollout_to(self._rollout_wanted("sync"))  # the rollout's weights memory
+            self._models_to("update_weights")  # training grads and optimizer state leave first
+        self._rollout_to(self._rollout_wanted("update_weights"))  # the rollout's weights memory
         stats = sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
                              plan=self._plan)
-        self._note("sync")
+        self._note("update_weights")
         if self.workers:
-            self._models_to("generate")  # the actor's parameters leave (param_offload)
-        self._rollout_to(self._rollout_wanted("generate"))  # then the KV cache comes back
-        self._note("generate")
+            self._models_to("gen")  # the actor's parameters leave (param_offload)
+        self._rollout_to(self._rollout_wanted("gen"))  # then the KV cache comes back
+        self._note("gen")
         return stats
+
+    def rollout_ready(self) -> bool:
+        """Whether the rollout holds its weights and KV cache (ready to generate)."""
+        return self.rollout is None or self.rollout_memory == set(ROLLOUT_MEMORY)
 
     def to_rollout(self) -> SyncStats:
         return self.sync()
