@@ -24,7 +24,6 @@ import typing
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from engine.config.schema import BuiltinTask
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -32,6 +31,7 @@ CHARACTERS = list("0123456789+-*= #")
 # The template only prepends bos: the prompt text itself is the whole "conversation".
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
+BuiltinTask = typing.Literal["arith", "copy", "code"]  # data.builtin_task (engine/config/schema.py)
 BUILTIN_TASKS = typing.get_args(BuiltinTask)
 
 

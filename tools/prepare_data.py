@@ -29,7 +29,7 @@ import typing
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config.schema import BuiltinTask  # noqa: E402
+from engine.tasks import BuiltinTask  # noqa: E402
 from engine.errors import (ArgumentParser, DataError, UsageError, positive, require_file,  # noqa: E402
                            run_main)
 

@@ -10,6 +10,7 @@ from engine.errors import UserError
 from engine.metrics import LOGGERS
 from engine.algorithms.pair_losses import DPO_LOSSES
 from engine.rollout.registry import backend_names
+from engine.tasks import BuiltinTask
 from kernels.kl import KL_KINDS
 
 
@@ -43,7 +44,6 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
-BuiltinTask = Literal["arith", "copy", "code"]  # engine/tasks.py
 Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
