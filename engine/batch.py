@@ -10,6 +10,8 @@ Tensor fields share their first dimension (the batch size); non-tensor fields ar
 object arrays of the same length. `meta` is a plain dict carried along (shallow-copied) by
 every operation. Operations return new Batches and never modify their input (sliced tensors
 may be views of the input's, as with torch.split).
+
+Tests: tests/test_batch.py, tests/test_ppo_update.py
 """
 import numpy as np
 import torch

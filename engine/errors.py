@@ -8,13 +8,15 @@ exception is a bug and keeps its traceback.
 
 Subclasses: `engine.config.ConfigError` (recipes, overrides, layouts), `DataError` (data
 files), `ModelError` (HF configs and weights this engine cannot use),
-`engine.checkpoint_files.CheckpointError` (training checkpoints), `UsageError` (command-line
+`engine.checkpoint.CheckpointError` (training checkpoints), `UsageError` (command-line
 arguments). All are ValueErrors, so older `except ValueError` code keeps working.
 
 Foreign exceptions that can only mean bad input (a missing recipe or data file, pyarrow's
 ArrowInvalid for a file that is not parquet, a UnicodeDecodeError for a JSONL that is not UTF-8)
 are translated into a UserError where the input is read, never at the entry point: a ValueError
 raised deep inside the engine stays a bug, with its traceback.
+
+Tests: tests/test_bad_inputs.py, tests/test_launch_ray.py
 """
 import argparse
 import json

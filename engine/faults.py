@@ -12,6 +12,8 @@ and every field it names matches (absent fields match anything):
 
 `step` counts training steps from 1; an "oom" fires once per matching place (a retry passes), as
 does any fault with "once" (a transient fault: a step re-run after a rollback passes).
+
+Tests: tests/test_faults.py, tests/test_loop.py
 """
 import json
 import os

@@ -14,6 +14,8 @@
   timeout (`trainer.collective_timeout_s`); the watch remembers the phase and the collective in
   flight, so when one fails (a peer died or stopped answering) the job ends with one line naming
   the rank, the phase and the collective, instead of hanging or dumping every rank's stack.
+
+Tests: tests/test_faults.py, tests/test_guard_rewards.py
 """
 import functools
 

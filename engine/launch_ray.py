@@ -22,6 +22,8 @@ same code path (each actor calls `engine.train.main(argv)`), same results.
 
 The code must be importable on every node at the same path (it is put on PYTHONPATH). Ray 2.60
 clusters started with token authentication need the token here too (RAY_AUTH_TOKEN or its file).
+
+Tests: tests/test_launch_ray.py
 """
 import argparse
 import collections

@@ -1,6 +1,9 @@
 """What a run loads before it builds anything: the model's HF config (checked against what
 Trident supports), its Megatron spec, the tokenizer, the prompt datasets; and the copy of one
-model's weights into another (the reference from the actor)."""
+model's weights into another (the reference from the actor).
+
+Tests: tests/test_bad_inputs.py, tests/test_sglang_double.py, tests/test_e2e.py
+"""
 import os
 
 from engine.config import ConfigError

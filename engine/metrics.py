@@ -14,6 +14,8 @@ Trackers (trainer.logger: [console, wandb] ...), named by trainer.project_name /
   mlflow   MLFLOW_TRACKING_URI when set; otherwise a local SQLite store <log dir>/mlflow.db
            (view: mlflow ui --backend-store-uri sqlite:///<log dir>/mlflow.db). Metric names
            keep their slashes; characters MLflow refuses become '_' ('@' becomes '_at_').
+
+Tests: tests/test_metrics.py, tests/test_loggers.py, tests/test_trainer_parts.py
 """
 import importlib.util
 import json

@@ -8,6 +8,8 @@ fallback when the measurement cannot run.
 Model FLOPs use the parameters a token actually passes through (`param_counts`): for a
 mixture-of-experts model that is the routed top-k experts, not all of them, and it is computed
 from the HF config, so it does not depend on how the experts are spread over EP ranks.
+
+Tests: tests/test_flops.py, tests/gpu/test_perf_gpu.py, tests/test_trainer_paths.py
 """
 import contextlib
 import sys

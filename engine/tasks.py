@@ -17,6 +17,8 @@
 Rows follow the parquet prompt schema of engine/data/prompts.py; their `data_source` selects the
 reward: for arith / copy the graded one of engine/rewards/arith.py (dense enough for GRPO to
 rise from random init), for code the sandboxed tests.
+
+Tests: tests/test_data.py, tests/test_rewards.py, tests/test_sandbox.py
 """
 import random
 import typing

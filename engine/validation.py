@@ -2,7 +2,10 @@
 its share), scored by the rule rewards, averaged per data source over the whole set.
 
 `data.val_batch_size` prompts at a time (null: all at once), so a large validation set does not
-ask the rollout for more sequences than it holds."""
+ask the rollout for more sequences than it holds.
+
+Tests: tests/test_e2e.py, tests/test_config_acts.py, tests/test_rollout_pool.py
+"""
 from collections import defaultdict
 
 import torch.distributed as dist

@@ -20,6 +20,8 @@ depend on the DP size. It is called the same number of times on every rank (coll
 estimator takes. Each estimator registers itself (`register_advantage`) with what the config
 needs to know: whether it compares the n responses of a prompt (rollout.n >= 2) and whether it
 needs a critic's values.
+
+Tests: tests/test_advantages.py, tests/test_replay_dynamic.py, tests/test_config_keys.py
 """
 import inspect
 from dataclasses import dataclass

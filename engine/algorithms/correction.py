@@ -13,6 +13,8 @@ likewise the dual clip), so weighting the advantages weights the policy loss exa
 the aggregation, without touching the loss kernels.
 
 PF-PPO's reweighting (engine/replay.py) is the same kind of weight: `score_weights`.
+
+Tests: tests/test_experience_parts.py, tests/test_gpu_check.py
 """
 import torch
 

@@ -17,6 +17,8 @@ run uses (the KL loss's, else the in-reward controller's): KL above `kl_ceiling`
 out when it leaves `warn_range`. Its coefficient is trainer state, saved and restored. On the
 in-reward coefficient it composes with the controller: each step the controller updates beta,
 then the guard's factor (if a rule fired) multiplies that value.
+
+Tests: tests/test_kl_controllers.py, tests/test_trainer_parts.py, tests/test_checkpoint.py
 """
 import logging
 

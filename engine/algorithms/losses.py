@@ -18,6 +18,8 @@ token means computed the same way (sum / global token count), so they too add up
 micro-batches and ranks to the mini-batch value.
 
 Shapes: token tensors are (batch, response_len); `response_mask` is 1 on tokens that count.
+
+Tests: tests/test_losses.py, tests/test_full_kl_actor.py, tests/test_cp_workers.py
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
