@@ -2,6 +2,8 @@
 
 One entry per supported `architectures[0]`. Everything that differs between families (qkv bias,
 qk-norm, MoE router semantics, shared experts, MLA) is decided here and nowhere else.
+
+Tests: tests/test_hf_parity.py, tests/test_rope_scaling.py, tests/test_recipes.py, tests/test_fusions.py
 """
 from dataclasses import dataclass, field
 

@@ -3,6 +3,8 @@
 The layout comes from megatron's parallel_state (initialised by `parallel.mesh.init_mesh`); one
 chunk per virtual pipeline stage. TransformerEngine's layer spec is used when TE is importable on
 a GPU, Megatron's local spec (with Trident's norm and core attention) otherwise.
+
+Tests: tests/test_layouts.py, tests/test_fusions.py, tests/test_reshard.py, tests/gpu/test_fusions_gpu.py
 """
 import dataclasses
 import importlib.util

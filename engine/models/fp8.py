@@ -3,6 +3,8 @@ float8 (e4m3) with `X.weight_scale_inv`, one fp32 scale per [bm, bn] block of it
 (`quantization_config.weight_block_size`, the last blocks of a dimension may be shorter).
 Trident trains in bf16 / fp32, so such weights are dequantised on read:
 weight = fp8.float() * scale_inv (each scale spread over its block), then cast by the caller.
+
+Tests: tests/test_fp8_checkpoint.py
 """
 import copy
 import math

@@ -9,6 +9,8 @@ Saving: global tensors are gathered over TP and streamed to rank 0 one at a time
 order (computed from the config), split into HF tensors, and written in shards of about
 `shard_size_mb` into a temporary directory that is renamed into place at the end. Peak extra
 memory on rank 0: the largest global tensor plus one output shard.
+
+Tests: tests/test_hf_parity.py, tests/test_convert_checkpoint.py, tests/test_fp8_checkpoint.py
 """
 import glob
 import json

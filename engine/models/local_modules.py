@@ -3,6 +3,8 @@
 Megatron's local spec lacks two things Trident needs when TE is absent (CPU, or a GPU without
 TE): a norm that works with sequence parallelism, and a core attention that accepts separate
 key/value head sizes (MLA). These are plain torch; TE's fused versions replace them when present.
+
+Tests: tests/test_fusions.py, tests/test_layouts.py
 """
 import math
 

@@ -26,6 +26,8 @@ mask B's other rows: they get no gradient and stay zero.
 Initialisation (PEFT's default): B = 0, so the adapted model starts as the base; A kaiming-
 uniform(a=sqrt(5)) drawn for the *global* [r, in] from a generator seeded by (seed, name), so
 every TP / DP / PP layout holds the same adapters.
+
+Tests: tests/test_lora.py, tests/test_lora_export.py
 """
 import contextlib
 import math

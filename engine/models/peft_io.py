@@ -6,6 +6,8 @@ B's rows split by the weight's own row blocks (weights.row_blocks: per query gro
 [gate; up] for fc1). Each targeted HF module gets (A, its rows of B): PEFT's delta
 scale * B_q A is then exactly the q rows of the fused scale * B A. Modules that were not
 targeted (their rows masked to zero) are left out, as PEFT would not have them.
+
+Tests: tests/test_lora_export.py
 """
 import json
 import os

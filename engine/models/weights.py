@@ -9,6 +9,8 @@ directions use it: `megatron_from_hf` reads (lazily, only the rows a rank asks f
 
 HF names are those of the files `save_pretrained` writes (transformers 5 fuses MoE experts in
 memory, but checkpoints keep one tensor per expert: `mlp.experts.{e}.gate_proj.weight` ...).
+
+Tests: tests/test_convert_checkpoint.py, tests/test_hf_parity.py, tests/test_reshard.py
 """
 import re
 from dataclasses import dataclass

@@ -2,7 +2,10 @@
 and the manager that turns them into token-level rewards.
 
 The names below are imported on first use, so that `engine.rewards.sandbox` (which config
-validation reads) loads without torch and a bad recipe fails in a fraction of a second."""
+validation reads) loads without torch and a bad recipe fails in a fraction of a second.
+
+Tests: tests/test_rewards.py, tests/test_sandbox.py
+"""
 import importlib
 
 _LAZY = {"RewardManager": "engine.rewards.manager", "default_compute_score": "engine.rewards.registry",

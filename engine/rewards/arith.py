@@ -12,6 +12,8 @@ Wrong answers earn nothing, not even for a tidy format: a prompt-independent "em
 then stop" policy is easy to learn from random init and, rewarded, collapses GRPO's groups.
 
 The response is the decoded text (RewardManager drops the final eos). `acc` is 1.0 only for an exact answer.
+
+Tests: tests/test_rewards.py, tests/test_e2e.py
 """
 EXACT, RIGHT_PREFIX, PER_EXTRA_CHAR, FLOOR = 1.0, 0.5, 0.1, 0.1
 

@@ -14,6 +14,8 @@ digs the token out of the harness's frame; the sandbox bounds what such a progra
 
 A batch runs through `compute_scores`: up to `reward_model.sandbox.max_concurrency` programs
 at once, so N programs that time out cost about N / max_concurrency timeouts, not N.
+
+Tests: tests/test_sandbox.py
 """
 import re
 import secrets

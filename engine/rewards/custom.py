@@ -8,6 +8,8 @@ With `reward_model.reward_manager: naive` it is called per sample as
 `fn(data_source, solution_str, ground_truth, extra_info)`; with `batch`, once per step with lists:
 `fn(data_sources, solution_strs, ground_truths, extra_infos)` -> one result per sample. A result
 is a float or a dict with "score" (other keys are reported as reward extras).
+
+Tests: tests/test_config_keys.py, tests/test_guard_rewards.py, tests/test_rollout_pool.py
 """
 import importlib.util
 import inspect

@@ -5,6 +5,8 @@
     answer equals the ground truth -> score
 
 Commas and "$" are stripped before comparing, and numbers compare by value ("42.0" == "42").
+
+Tests: tests/test_rewards.py
 """
 import re
 from fractions import Fraction

@@ -13,6 +13,8 @@ sum to its whole score.
 
 With `num_workers > 0` the rule rewards run in a pool of Ray actors, so slow verifiers (sympy)
 do not stall the training process; results come back in the original order.
+
+Tests: tests/test_rewards.py, tests/test_token_rewards.py, tests/test_experience_parts.py
 """
 import os
 

@@ -4,6 +4,8 @@ Both sides are normalised (spacing, \\left/\\right, \\dfrac, units in \\text{}, 
 "x = ", trailing ".0", thousands commas ...) and compared as strings, then as exact rationals
 (integers, decimals, a/b, \\frac{a}{b}), then, when sympy is importable, symbolically for short
 expressions (\\sqrt, \\pi, products, powers) only: the size limits keep sympy from hanging.
+
+Tests: tests/test_rewards.py
 """
 import re
 from fractions import Fraction

@@ -11,6 +11,8 @@ Two documented schemes for offline preference distillation, both on right-padded
 
 A reward model (a Megatron model with a scalar head, implemented in engine/workers) plugs in
 through `RewardModelScorer`; the RewardManager adds its scores to the rule scores.
+
+Tests: tests/test_rewards.py, tests/test_token_rewards.py
 """
 from typing import Protocol, runtime_checkable
 

@@ -5,6 +5,8 @@ generator's metadata in extra_info, so the verifier sees the entry it was writte
 model is asked to end with "Answer: <answer>"; the text after the last "Answer:" is verified,
 or failing that the last number in the reply (small models often answer "5 - 3 = 2"), or its
 last line.
+
+Tests: tests/test_rewards.py
 """
 import functools
 import json

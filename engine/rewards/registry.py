@@ -2,6 +2,8 @@
 
 A score function returns a float, or a dict with a "score" key plus extra fields (e.g. "acc")
 that the manager reports as reward_extra_info.
+
+Tests: tests/test_rewards.py, tests/test_sandbox.py
 """
 from engine.rewards import arith, code, gsm8k, math_verify, reasoning_gym
 

@@ -32,6 +32,8 @@ Isolation paths (`isolation()` says which one this machine gets; probed once):
 Not covered by either path: total disk use (RLIMIT_FSIZE is per file; a program may write many
 files, into its own directory or a world-writable one such as /tmp) and total memory across a
 program's processes (RLIMIT_AS is per process; max_procs bounds the product).
+
+Tests: tests/test_sandbox.py
 """
 import dataclasses
 import functools

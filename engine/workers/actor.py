@@ -12,6 +12,8 @@ whole, CP ranks gathered) and a host copy of its output-weight shard (batch.meta
 `ref_output_weight`). The update moves the weight to the device once and each micro-batch's
 hidden states when it runs, and adds linear_full_kl's per-token KL with the same token weights
 as every other term.
+
+Tests: tests/test_ppo_update.py, tests/test_actor_formula.py, tests/test_full_kl_actor.py, tests/test_lora.py
 """
 import numpy as np
 import torch
@@ -127,7 +129,7 @@ class ActorWorker(LogProbModel):
     def __init__(self, hf_config, actor_cfg, model_cfg, *, total_steps=1, pad_token_id=0,
                  response_length=None):
         from engine.models.lora import LoraSpec
-        # LoRA: only the adapters train, checkpoints hold them (engine/checkpoint_state.py)
+        # LoRA: only the adapters train, checkpoints hold them (engine/checkpoint/state.py)
         self.lora = LoraSpec.from_config(model_cfg, seed=actor_cfg.megatron.seed)
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,

@@ -10,6 +10,8 @@ and RoPE positions start at 0 for every sequence.
 Context parallelism (CP): each CP rank feeds the model its share of every sequence
 (parallel.packing's 2 x CP chunks) and computes log-probs / values at the predictions it
 holds; `MegatronWorker.gather_cp` puts them back in order, so losses see whole sequences.
+
+Tests: tests/test_ppo_update.py, tests/test_cp_workers.py, tests/test_preference_data.py
 """
 import dataclasses
 from dataclasses import dataclass

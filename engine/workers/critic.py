@@ -2,6 +2,8 @@
 
 The value of response token j is read at the position that predicts it (the state before the
 token is generated), the same positions the actor's log-probs use.
+
+Tests: tests/test_ppo_update.py, tests/test_cp_workers.py
 """
 import torch
 

@@ -19,6 +19,8 @@ Where it agrees: an out-of-memory found at a micro-batch's start (the injected f
 engine/faults.py; on a GPU, torch raises where an allocation fails, which may be inside a
 forward's TP collectives — that one still leaves its peers waiting until the collective timeout
 ends the job, with the phase and collective named, engine/guards.py CollectiveWatch).
+
+Tests: tests/test_faults.py
 """
 from typing import Optional
 

@@ -8,6 +8,8 @@ checkpoint maps its `score.weight` onto the head.
 causal-LM export) whose per-token reward is DPO's implicit one, beta * (log pi_dpo(y_t) -
 log pi_ref(y_t)) (engine/rewards/preference.py), against the PPO reference: the initial policy
 DPO started from. Both log-probs at temperature 1, as DPO trains them.
+
+Tests: tests/test_reward_model.py, tests/test_token_rewards.py, tests/test_config_reward_tokenizer.py
 """
 import torch
 

@@ -17,6 +17,8 @@ latest one forwarded (which is what REPLAY_FORWARD would give under PP > 1).
 
 Also here, for MoE models under EP > 1: the DP ranks' token-budget micro-batches are made as
 many (`as_many_as_expert_peers`), since every MoE layer's dispatch is an EP collective.
+
+Tests: tests/test_router_replay.py, tests/test_moe_ppo.py
 """
 from typing import List
 

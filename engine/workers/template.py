@@ -8,6 +8,8 @@ an update, with the two guards every update needs:
   mini-batch with half the micro-batch (or half the token budget; below one sequence, dynamic
   batching gives way to micro-batches of half the rows), up to `oom_retries` times; the size
   that worked is kept for the next steps (`worker.split`).
+
+Tests: tests/test_ppo_update.py, tests/test_dp_invariance.py, tests/test_faults.py
 """
 from collections import defaultdict
 
