@@ -28,6 +28,8 @@ takes that per-token KL as `full_kl`:
             E_{y ~ pi}[r grad log pi(y)] = grad KL(pi || ref), as for k1+..k3+. It needs no
             backward through the vocabulary: a forward-only linear_full_kl and the sampled
             log-prob's gradient, which the fused loss kernel makes anyway.
+
+Tests: tests/test_kernels_kl.py, tests/test_kl_controllers.py, tests/test_full_kl_actor.py
 """
 import torch
 import torch.distributed as dist

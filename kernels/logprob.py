@@ -32,6 +32,8 @@ importable. TransformerEngine and apex are never required; `optional_libraries()
 whether they are installed.
 
 `naive_logprob_entropy` is the plain full-logits reference used by tests and the benchmark.
+
+Tests: tests/test_kernels_logprob.py, tests/test_benchmark_json.py
 """
 import importlib.util
 import os

@@ -13,6 +13,8 @@ What it changes, and why:
 - `Tensor.type()` with no argument answers the `torch.cuda.*` name, since the distributed
   optimizer checks parameter types by their CUDA type strings;
 - TE-only symbols that megatron imports optimistically are set to "absent".
+
+Tests: tests/test_cpu_compat.py, tests/test_layouts.py
 """
 import contextlib
 import importlib

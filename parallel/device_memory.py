@@ -17,6 +17,8 @@ device holds TRIDENT_DEVICE_MEMORY_BYTES. The training process's allocated bytes
 states on the device (the workers given to `track`), its reserved bytes the most it allocated
 since the last `empty_cache()` - freed bytes stay reserved, as in torch's allocator. The SGLang
 double (tests/fakes/sglang) holds its weights and KV cache in the same directories.
+
+Tests: tests/test_device_memory.py, tests/gpu/test_device_memory_gpu.py, tests/test_sglang_double.py
 """
 import gc
 import json

@@ -8,6 +8,8 @@ Parameters are created on the meta device (no allocation, no initialisation).
 torch.distributed initialises once per process: build one (layout, rank) per process, e.g. in
 a `subprocess`. Model-agnostic: the model comes from a `build_fn(config_overrides) -> chunks`
 callable (the engine's builder, bound to a model config), so `parallel/` stays below `engine/`.
+
+Tests: tests/test_recipes.py
 """
 import math
 from typing import Callable, Dict, List, Tuple

@@ -11,6 +11,8 @@ Freed storage goes back to torch's caching allocator, not to the device: another
 colocated SGLang engine) can use it only after `parallel.device_memory.return_to_device()`,
 which engine/rollout/colocated.py calls before the rollout resumes. Every move is reported to
 parallel.device_memory (on CPU its simulated allocator keeps the freed bytes reserved).
+
+Tests: tests/test_device_memory.py, tests/gpu/test_device_memory_gpu.py
 """
 from typing import Dict, Iterable
 

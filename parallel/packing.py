@@ -10,6 +10,8 @@ of a [b, s] batch -- is cut into 2 x CP equal chunks and CP rank r keeps chunks 
 2CP-1-r, so each rank gets as much causal-attention work as the others. Segments are padded
 to a multiple of 2 x CP first. `cp_split` gives a rank its tokens and their places in the
 unsplit row; `cp_gather` puts per-rank results back in unsplit order.
+
+Tests: tests/test_cp_split.py, tests/test_cp_workers.py
 """
 from dataclasses import dataclass
 from math import lcm

@@ -17,6 +17,8 @@ without PP) is yielded as is, with no communication. Collectives run on the defa
 work on gloo and NCCL.
 
 Model-agnostic: names stay Megatron's global names; engine/models maps them to HF names.
+
+Tests: tests/test_reshard.py
 """
 import re
 from dataclasses import dataclass

@@ -4,6 +4,8 @@
 micro-batches and a `step_fn(model, micro_batch) -> (output, loss_fn)`; with virtual pipeline
 stages every model chunk sees the same micro-batches in order. Gradients are finalised (DP /
 SP / tied-embedding reductions) by Megatron's own `finalize_model_grads`.
+
+Tests: tests/test_layouts.py, tests/test_ppo_update.py, tests/test_faults.py
 """
 from typing import Callable, List, Optional, Sequence
 

@@ -8,6 +8,8 @@ conversion and the layout tests all go through this one description.
 
 Model-agnostic: it reads only Megatron's own module attributes (`layer_number`,
 `local_expert_indices`, `tensor_model_parallel`, `partition_dim`).
+
+Tests: tests/test_layouts.py, tests/test_reshard.py, tests/test_ppo_update.py
 """
 import re
 from dataclasses import dataclass

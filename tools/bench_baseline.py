@@ -5,6 +5,8 @@ the baseline): `model.generate` with a KV cache, the old log-probs and the refer
 (full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
 Trident's step is on-policy and takes the old log-probs from the update's forward
 (`actor.on_policy_old_log_prob`), the baseline does the same, so both do the same work.
+
+Tests: tests/test_benchmark_json.py (runs `step` without --baseline: nothing runs this loop yet)
 """
 import os
 import sys

@@ -9,6 +9,8 @@ mean `timing_s/step` over the steps after the first (the first step has nothing 
 and the off-policy / on-policy ratio. Off-policy wins by overlapping the pool's generation of
 step t+1 with the training of step t, so it needs spare cores: on a machine with fewer cores than
 ranks both phases compete for the same cores and the ratio tends to 1.
+
+Tests: tests/test_benchmark_json.py
 """
 import json
 import os

@@ -8,6 +8,8 @@ TP and from a PP layout. The floor is a plain in-memory copy of the same bytes i
 (`torch.empty_like` + `copy_` over tensors of the same shapes). Memory: reshard's own count of
 the bytes it held at once, and each rank's resident-set high-water mark over its start (glibc's
 mmap threshold is fixed at 64 KiB so freed tensors leave the resident set).
+
+Tests: tests/test_benchmark_json.py, tests/test_reshard.py
 """
 import json
 import os

@@ -7,6 +7,8 @@ measurements, not a datasheet figure. `--baseline` also times a plain transforme
 the same work (generate, log-probs, reference, backward + Adam) for comparison.
 
     python tools/benchmark.py step --workload 75m --steps 3
+
+Tests: tests/test_benchmark_json.py
 """
 import json
 import os

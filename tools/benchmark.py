@@ -8,6 +8,8 @@
 
 Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register
 them in SUBCOMMANDS; the returned dict is what `--json` writes.
+
+Tests: tests/test_benchmark_json.py
 """
 import argparse
 import json

@@ -1,6 +1,9 @@
 """The checkpoint formats beside HF <-> Megatron (tools/convert_checkpoint.py's other commands):
 a LoRA run's adapters -> merged HF weights or a PEFT adapter, and GGUF -> HF; with the dtype
-and logging helpers the commands share."""
+and logging helpers the commands share.
+
+Tests: tests/test_convert_checkpoint.py, tests/test_lora_export.py
+"""
 import json
 import os
 

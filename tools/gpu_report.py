@@ -5,6 +5,8 @@
 
 Statuses: pass, fail (with the reason: the step's exit code, a timeout, failed tests), skipped
 (with the reason: a missing package, too few GPUs). Each pytest test is a check of its own.
+
+Tests: tests/test_gpu_check.py
 """
 import importlib.util
 import json

@@ -15,6 +15,8 @@ what is allocated and what is reserved: the training process keeps the most it a
 its cache was last handed back to the device (before every rollout resume: engine/config/phases.py
 cache_emptied). A layout fits when every phase's reserved memory fits under the GPU memory less
 RESERVE_GIB (CUDA context, NCCL buffers, allocator fragmentation).
+
+Tests: tests/test_plan.py, tests/test_phases.py, tests/test_recipes.py
 """
 import json
 import math

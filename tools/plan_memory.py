@@ -38,6 +38,7 @@ every response token of the rank's batch in host memory (`host`) and adds to the
 computes it the reference's weight shard, a micro-batch of those states and a chunk of both
 models' logits (`full_kl_bytes`).
 
+Tests: tests/test_plan.py, tests/test_recipes.py, tests/test_device_memory.py
 """
 import math
 from dataclasses import dataclass

@@ -16,6 +16,8 @@ arith` (chosen = the correct answer, rejected = a wrong one) or from a JSONL of 
 "chosen", "rejected", ...} records (text or chat messages; other fields such as a margin are
 kept). Empty and identical pairs are dropped and counted; over-long ones are the loader's
 business (data.truncation), as it knows the tokenizer and the length limits.
+
+Tests: tests/test_data.py, tests/test_preference_data.py, tests/test_offline_pipeline.py
 """
 import argparse
 import difflib

@@ -10,6 +10,8 @@ the chain of elementwise torch ops that follow it, each reading the chunk once:
 z holds raw logits (before temperature) in the matmul dtype; all arithmetic is fp32. The
 formulas are those of `_combine_stats` / `_torch_chunk_grad` in kernels/logprob.py. On CPU the
 kernels run under TRITON_INTERPRET=1 (tests only: the interpreter is slow).
+
+Tests: tests/test_kernels_logprob.py
 """
 import torch
 import triton
