@@ -12,7 +12,7 @@ positively homogeneous in the advantage (max(-A w r, -A w clip(r)) = w max(-A r,
 likewise the dual clip), so weighting the advantages weights the policy loss exactly, whatever
 the aggregation, without touching the loss kernels.
 
-PF-PPO's reweighting (engine/replay.py) is the same kind of weight: `score_weights`.
+PF-PPO's reweighting (engine/experience/replay.py) is the same kind of weight: `score_weights`.
 
 Tests: tests/test_experience_parts.py, tests/test_gpu_check.py
 """

@@ -39,6 +39,11 @@ def engine_generate(engine, prompt_ids, sampling, keys):
         return engine.generate(prompt_ids, sampling, keys=keys)
 
 
+def _moves_memory(name):
+    """Whether entering phase `name` moves memory (the sync moves it in its own order)."""
+    return name in PHASES and name != "update_weights"
+
+
 @dataclasses.dataclass
 class StepContext:
     derived: Any              # engine.config.Derived
@@ -81,20 +86,18 @@ class StepContext:
             raise ValueError(f"unknown phase {name!r}; phases are {PHASE_NAMES}")
         self._stack.append(name)
         try:
-            self._enter(name)
+            faults.act(name)
+            self._announce(name)
+            if _moves_memory(name):
+                self.colocated.enter(name)
             with Timer(name, self.timings):
                 yield
         finally:
             self._stack.pop()
-            self._announce(self._stack[-1] if self._stack else None)
-            if self._stack and self._stack[-1] in PHASES and self._stack[-1] != "update_weights":
-                self.colocated.enter(self._stack[-1])  # an inner phase moved memory: back to the outer's
-
-    def _enter(self, name):
-        faults.act(name)
-        self._announce(name)
-        if name in PHASES and name != "update_weights":
-            self.colocated.enter(name)
+            outer = self._stack[-1] if self._stack else None
+            self._announce(outer)
+            if outer is not None and _moves_memory(name) and _moves_memory(outer):
+                self.colocated.enter(outer)  # the inner phase moved memory: back to the outer's
 
     def _announce(self, name):
         set_phase(name or IDLE)  # what a launcher reports if this rank dies here (engine.launch_ray)
