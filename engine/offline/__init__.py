@@ -2,8 +2,13 @@
 (Bradley-Terry) and DPO. Selected by `trainer.task` (reward_model | dpo); same launch
 (`torchrun -m engine.train RECIPE.yaml`), layouts, checkpoints and metrics as PPO.
 
-    data.py      preference pairs: parquet rows -> tokenized pairs, bad-row policy, batches
-    losses.py    Bradley-Terry and DPO (sigmoid / IPO) per-pair losses, pure torch
-    workers.py   pair micro-batching, the trainable reward model, the DPO policy update
-    trainer.py   build + the loop: steps, held-out metrics, checkpoints, HF export
+    build.py     from a validated config: tokenizer, pairs, layout, models -> the trainer
+    trainer.py   RewardModelTrainer, DPOTrainer: the loop shell's hooks (engine/loop.py) for
+                 pairs: steps, held-out metrics, checkpoints, HF export
+
+Their parts live with their layers: the preference pairs in engine/data/preference.py, the pair
+models (micro-batching, reward model, DPO policy update) in engine/workers/pairs.py, the
+Bradley-Terry and DPO losses in engine/algorithms/pair_losses.py.
+
+Tests: tests/test_offline_trainers.py, tests/test_offline_pipeline.py, tests/test_offline_layouts.py
 """

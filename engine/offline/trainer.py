@@ -1,11 +1,16 @@
-"""The offline loop: batches of preference pairs -> one update per mini-batch -> held-out
-metrics, checkpoints (engine/checkpoint.py, resumable like PPO) and the HF export.
+"""The offline trainers (reward model, DPO) on the loop shell (engine/loop.py): batches of
+preference pairs -> one update per mini-batch -> held-out metrics, checkpoints (resumable like
+PPO) and the HF export.
 
 Each DP rank trains on its contiguous share of a step's pairs; held-out pairs are spread over
 the DP ranks (padded with weight-0 repeats so every rank runs the same schedule) and their
 metrics summed over DP, so `val/*` is the whole held-out set's mean whatever the layout.
+
+A task defines update(batch, timings) (its model's update on this rank's pairs), eval_sums
+(weighted held-out sums) and export_config (the HF config of its export).
+
+Tests: tests/test_offline_trainers.py, tests/test_offline_pipeline.py, tests/test_loop.py
 """
-import dataclasses
 import math
 import os
 import shutil
@@ -14,38 +19,33 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.data import pad_token_id
-from engine.metrics import MetricsLogger, Timer, compute_throughput_metrics
-from engine.data.preference import PairLoader, pair_batch
 from engine.algorithms.pair_losses import bradley_terry_loss, dpo_loss
+from engine.data import pad_token_id
+from engine.data.preference import PairLoader, pair_batch
+from engine.loop import Loop
+from engine.metrics import Timer, compute_throughput_metrics
 from engine.workers.pairs import sequence_log_probs
 
 
-class OfflineTrainer:
+class OfflineTrainer(Loop):
     worker_name = "actor"  # the checkpoint directory of the trained model
 
     def __init__(self, derived, *, tokenizer, hf_config, train_data, val_data, model,
                  checkpoints=None):
-        self.cfg = cfg = derived.config
+        super().__init__(derived.config, checkpoints=checkpoints)
+        cfg = self.cfg
         self.tokenizer, self.hf_config, self.model = tokenizer, hf_config, model
-        self.train_data, self.val_data, self.checkpoints = train_data, val_data, checkpoints
+        self.train_data, self.val_data = train_data, val_data
         self.pad_id = pad_token_id(tokenizer)
         self.loader = PairLoader(train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                  seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         self.mini_pairs = derived.actor.mini_batch_size_per_rank
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.total_steps = cfg.trainer.total_training_steps
-        self.step_count = 0
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
-                                    project=cfg.trainer.project_name,
-                                    experiment=cfg.trainer.experiment_name,
-                                    total_steps=self.total_steps, rank=self.rank,
-                                    config=dataclasses.asdict(cfg))
         self.forward = derived.forward  # forward-only splits by model (sequences)
 
     # -- what a task defines ----------------------------------------------------------------
-    def train_step(self, batch, timings):
+    def update(self, batch, timings):
+        """The trained model's update on this rank's pairs; returns its metrics."""
         raise NotImplementedError
 
     def eval_sums(self, batch, weight):
@@ -55,35 +55,31 @@ class OfflineTrainer:
     def export_config(self):
         return self.hf_config
 
-    # -- the loop ----------------------------------------------------------------------------
-    def fit(self):
-        t = self.cfg.trainer
-        self.resume()
+    # -- the loop's hooks (engine/loop.py) ----------------------------------------------------
+    def workers(self):
+        return {self.worker_name: self.model}
+
+    def start(self):
         if self.checkpoints is not None:
             self._write_hf_config()
-        if t.val_before_train and t.test_freq > 0 and self.step_count == 0:
-            self.logger.log(self.validate(), self.step_count)
-        while self.step_count < self.total_steps:
-            timings = {}
-            with Timer("step", timings):
-                examples = self.loader.next_batch()
-                per = len(examples) // self.dp
-                batch = pair_batch(examples[self.dp_rank * per:(self.dp_rank + 1) * per],
-                                   self.pad_id)
-                metrics = self.train_step(batch, timings)
-            self.step_count += 1
-            metrics.update(timings)
-            metrics.update(self.train_data.metrics)
-            metrics.update(self._throughput(batch, timings["timing_s/step"]))
-            if t.due("test_freq", self.step_count, self.total_steps):
-                metrics.update(self.validate())
-            self.logger.log(metrics, self.step_count)
-            if t.due("save_freq", self.step_count, self.total_steps):
-                self.save()
-        if t.save_hf:
-            self.export_hf()
-        self.logger.close()
-        return self.step_count
+
+    def next_batch(self):
+        """The step's pairs, and the step's timings (timing_s/step counts the wait for them)."""
+        timings = {}
+        with Timer("step", timings):
+            examples = self.loader.next_batch()
+        return examples, timings
+
+    def train_step(self, batch):
+        examples, timings = batch
+        with Timer("step", timings):
+            per = len(examples) // self.dp
+            pairs = pair_batch(examples[self.dp_rank * per:(self.dp_rank + 1) * per], self.pad_id)
+            metrics = self.update(pairs, timings)
+        metrics.update(timings)
+        metrics.update(self.train_data.metrics)
+        metrics.update(self._throughput(pairs, timings["timing_s/step"]))
+        return metrics
 
     def _forward_split(self, model):
         """A forward-only pass's micro-batches (derive's: rollout.log_prob_* keys for the
@@ -114,40 +110,7 @@ class OfflineTrainer:
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return {f"val/{k}": float(v / t[-1]) for k, v in zip(names, t[:-1])}
 
-    # -- checkpoints and export ----------------------------------------------------------------
-    def state_dict(self):
-        # no RNG: this dict is rank 0's; the checkpoint manager keeps every rank's own
-        return {"step": self.step_count, "loader": self.loader.state_dict()}
-
-    def load_state_dict(self, state):
-        self.step_count = int(state["step"])
-        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
-            from engine.checkpoint_state import reseed_rng
-            self.loader.seek(self.step_count)  # the data position follows from the step
-            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
-            return
-        self.loader.load_state_dict(state["loader"])
-
-    def save(self):
-        if self.checkpoints is not None:
-            self.checkpoints.save(self.step_count, {self.worker_name: self.model},
-                                  self.state_dict(),
-                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
-
-    def resume(self):
-        t = self.cfg.trainer
-        path = None
-        if self.checkpoints is not None:
-            path = self.checkpoints.resolve(t.resume_mode, t.resume_from_path)
-        if path is None:
-            self.logger.start_fresh()
-            return
-        self.load_state_dict(self.checkpoints.load(path, {self.worker_name: self.model},
-                                                   rng_seed=self.cfg.trainer.seed))
-        self.logger.truncate_after(self.step_count)
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step_count}", flush=True)
-
+    # -- export ------------------------------------------------------------------------------
     def _write_hf_config(self):
         """`default_local_dir/hf_config`: the config (+ tokenizer) that
         `tools/convert_checkpoint.py mcore-to-hf --hf-config` needs to export a checkpoint of
@@ -182,7 +145,7 @@ class RewardModelTrainer(OfflineTrainer):
 
     worker_name = "reward_model"
 
-    def train_step(self, batch, timings):
+    def update(self, batch, timings):
         with Timer("update_reward_model", timings):
             return self.model.update_pairs(batch, self.mini_pairs)
 
@@ -211,7 +174,7 @@ class DPOTrainer(OfflineTrainer):
     def _ref_logps(self, batch):
         return sequence_log_probs(self.ref, batch, **self._forward_split("ref"))
 
-    def train_step(self, batch, timings):
+    def update(self, batch, timings):
         if "ref_logps" not in batch:
             with Timer("ref", timings):
                 batch["ref_logps"] = self._ref_logps(batch)
