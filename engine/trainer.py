@@ -12,7 +12,6 @@ through the StepContext (engine/experience/context.py), never through this objec
 
 Tests: tests/test_trainer_paths.py, tests/test_actor_formula.py, tests/test_e2e.py, tests/test_layering.py
 """
-import dataclasses
 import os
 import random
 
@@ -24,22 +23,21 @@ from megatron.core import parallel_state as ps
 from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
-from engine import faults
-from engine.checkpoint import reseed_rng
 from engine.data import PromptLoader, pad_token_id
 from engine.experience.context import StepContext
 from engine.experience.pool import Pool, connect
 from engine.experience.scoring import replica_groups
 from engine.experience.sources import build_experience
 from engine.guards import StepGuard
+from engine.loop import Loop
 from engine.rollout.colocated import HybridEngine
-from engine.metrics import (MetricsLogger, Timer, compute_data_metrics, compute_throughput_metrics,
+from engine.metrics import (Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp, rollout_probs_diff_metrics)
 from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.validation import validate, validate_from
 
 
-class Trainer:
+class Trainer(Loop):
     def __init__(self, derived, components):
         """derived: engine.config.Derived; components: engine.train.Components."""
         self.derived = derived
@@ -49,9 +47,8 @@ class Trainer:
         self.actor, self.ref, self.critic = c.actor, c.ref, c.critic
         self.rollout, self.reward_fn, self.reward_model = c.rollout, c.reward_fn, c.reward_model
         self.train_data, self.val_data = c.train_data, c.val_data
-        self.checkpoints = c.checkpoints
         self.peak_flops = c.peak_flops
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        world, rank = dist.get_world_size(), dist.get_rank()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(alg.kl_ctrl) if alg.use_kl_in_reward else None
@@ -59,14 +56,13 @@ class Trainer:
         self.kl_loss_coef = arr.actor.kl_loss_coef  # trainer state: the KL guard may move it
         guarded = self.kl_loss_coef if arr.actor.use_kl_loss else alg.kl_ctrl.kl_coef
         self.kl_guard = KLGuard(alg.kl_guard, guarded) if alg.kl_guard.enable else None
-        self.total_steps = cfg.trainer.total_training_steps
         self.comm = CommTimer().install() if cfg.trainer.profile_comm else None
         # the ranks sharing this DP index (TP x PP x CP) hold the same data: rewards are scored
         # once per replica, on its first rank, and broadcast in this group
-        replicas, replica_group = replica_groups(self.rank, self.world, self.dp_rank)
+        replicas, replica_group = replica_groups(rank, world, self.dp_rank)
         # where a step's batch comes from (engine/experience/); it may prepare it as the loader
         # makes the prompt batch (in the prefetch thread with data.dataloader_num_workers > 0)
-        pool = connect(derived, c.bridge, self.world, replicas) if c.bridge is not None else None
+        pool = connect(derived, c.bridge, world, replicas) if c.bridge is not None else None
         self.experience = build_experience(cfg, pool)
         self.loader = PromptLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers,
@@ -80,17 +76,13 @@ class Trainer:
         self.colocated = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
                                       arr.rollout.update_weights_bucket_megabytes, derived.phases,
                                       {k: w for k, w in workers.items() if w is not None})
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.logger,
-                                    project=cfg.trainer.project_name,
-                                    experiment=cfg.trainer.experiment_name,
-                                    total_steps=self.total_steps, rank=self.rank,
-                                    config=dataclasses.asdict(cfg))
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.ctx = StepContext(
             derived, self.colocated, self.rollout, self.reward_fn, self.reward_model, self.ref, self.actor,
             self.hf_config, self.loader, self.train_data, pad_token_id(self.tokenizer), self.eos_ids,
-            self.dp, self.dp_rank, self.rank, replicas, replica_group, self.total_steps,
+            self.dp, self.dp_rank, rank, replicas, replica_group, cfg.trainer.total_training_steps,
             watch=c.watch, comm=self.comm)
+        Loop.__init__(self, cfg, checkpoints=c.checkpoints)  # the shell: logger, step count, cadence
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
@@ -116,42 +108,39 @@ class Trainer:
     def step_count(self, value):
         self.ctx.step = value
 
-    # -- the loop --------------------------------------------------------------------------
-    def fit(self):
-        trainer = self.cfg.trainer
-        self.resume()
-        if trainer.val_before_train and trainer.test_freq > 0 and self.step_count == 0:
-            self.logger.log(self.validate(), self.step_count)
-        self.ctx.first_step = self.step_count
-        while self.step_count < self.total_steps:
-            prompts = self.experience.prompts(self.ctx)
-            faults.set_step(self.step_count + 1)
-            metrics = self.train_step(prompts)
-            self.step_count += 1
-            if self.guard.after_step(metrics, metrics.pop("train/applied_update") > 0):
-                self.logger.log(metrics, self.step_count)
-                self.rollback()
-                continue
-            if trainer.due("test_freq", self.step_count, self.total_steps):
-                metrics.update(self.validate())
-            self.logger.log(metrics, self.step_count)
-            if trainer.due("save_freq", self.step_count, self.total_steps):
-                self.save()
-        if trainer.save_hf:
-            from engine.models.hf_io import save_hf_weights
-            out = os.path.join(trainer.default_local_dir, "hf", f"step_{self.step_count}")
-            source = self.cfg.actor_rollout_ref.model.path
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            with self.ctx.phase("save_checkpoint"):
-                dist.barrier()
-                save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
-                if self.rank == 0 and not source:  # a built-in task's tokenizer
-                    self.tokenizer.save_pretrained(out)
-        self.logger.close()
+    @property
+    def first_step(self):
+        """The step this process started (or resumed) from."""
+        return self.ctx.first_step
+
+    @first_step.setter
+    def first_step(self, value):
+        self.ctx.first_step = value
+
+    # -- the shell's hooks (engine/loop.py runs fit: resume, cadence, logging) ----------------
+    def next_batch(self):
+        return self.experience.prompts(self.ctx)
+
+    def after_step(self, metrics):
+        """The step guard: a step that applied nothing (non-finite values) `max_nonfinite_skips`
+        times in a row refuses the step and the shell rolls back."""
+        return self.guard.after_step(metrics, metrics.pop("train/applied_update") > 0)
+
+    def export_hf(self):
+        from engine.models.hf_io import save_hf_weights
+        out = os.path.join(self.cfg.trainer.default_local_dir, "hf", f"step_{self.step_count}")
+        source = self.cfg.actor_rollout_ref.model.path
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with self.ctx.phase("save_checkpoint"):
+            dist.barrier()
+            save_hf_weights(self.actor.chunks, self.hf_config, out, source_dir=source)
+            if self.rank == 0 and not source:  # a built-in task's tokenizer
+                self.tokenizer.save_pretrained(out)
+
+    def shutdown(self):
         if self.comm is not None:  # torch.distributed's functions back as they were
             self.comm.uninstall()
         self.experience.finish()
-        return self.step_count
 
     def train_step(self, prompts):
         """One PPO iteration on a batch of prompts, a column of phases; returns its metrics."""
@@ -338,28 +327,20 @@ class Trainer:
                             batch_size=self.cfg.data.val_batch_size, generate=ctx.run_engine)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self):
+    def loader_state(self):
+        return self.experience.loader_state(self.ctx)
+
+    def extra_state(self):
         # no RNG here: this dict is rank 0's; the checkpoint manager saves and restores every
         # rank's own RNG states (python / numpy / torch / CUDA / Megatron's tracker)
-        return {"step": self.step_count, "loader": self.experience.loader_state(self.ctx),
-                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
+        return {"kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl else None,
                 "kl_guard": self.kl_guard.state_dict() if self.kl_guard else None,
                 "kl_loss_coef": self.kl_loss_coef,
                 "guard": self.guard.state_dict(),
                 "experience": self.experience.state_dict(),  # collective: a replay buffer's contents
                 "splits": {n: list(w.split) for n, w in self.workers().items() if w.split is not None}}
 
-    def load_state_dict(self, state):
-        self.step_count = int(state["step"])
-        if "loader" not in state:  # saved without 'extra' (actor.checkpoint.save_contents)
-            if self.rank == 0:
-                print(f"checkpoint of step {self.step_count} holds no trainer state (save_contents without "
-                      "'extra'): the data position follows from the step, KL controllers and RNG start afresh",
-                      flush=True)
-            self.loader.seek(self.step_count)
-            reseed_rng(self.cfg.trainer.seed, self.rank, self.step_count)
-            return
-        self.loader.load_state_dict(state["loader"])
+    def load_extra_state(self, state):
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.kl_guard is not None and state.get("kl_guard") is not None:
@@ -379,41 +360,22 @@ class Trainer:
 
     def save(self):
         if self.checkpoints is not None:
-            with self.ctx.phase("save_checkpoint"):
-                self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
-                                      contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+            with self.ctx.phase("save_checkpoint"):  # every saved model's states on the device
+                super().save()
 
     def rollback(self):
         """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
         checkpoint (its weights, data position, RNG) with a lower LR; without one, the current
         weights are the last good ones (nothing non-finite was applied): lower the LR in place."""
         guard = self.guard.state_dict()
-        path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
-        if path is not None:
-            with self.ctx.phase("save_checkpoint"):  # the memory a checkpoint's states need
-                self.load_state_dict(self.checkpoints.load(path, self.workers(),
-                                                           rng_seed=self.cfg.trainer.seed))
-            self.logger.truncate_after(self.step_count)
+        with self.ctx.phase("save_checkpoint"):  # the states a checkpoint's load writes into
+            path = self.restore_latest()
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))
         if self.rank == 0:
             print(f"non-finite values in {self.guard.max_skips} steps in a row: "
                   f"{'rolled back to ' + path if path else 'no checkpoint to roll back to'}; "
                   f"the LR is now x{scale:g} of the recipe's (trainer.rollback_lr_factor)", flush=True)
-
-    def resume(self):
-        t = self.cfg.trainer
-        path = None
-        if self.checkpoints is not None:
-            path = self.checkpoints.resolve(t.resume_mode, t.resume_from_path)
-        if path is None:
-            self.logger.start_fresh()
-            return
-        state = self.checkpoints.load(path, self.workers(), rng_seed=self.cfg.trainer.seed)
-        self.load_state_dict(state)
-        self.logger.truncate_after(self.step_count)
-        if self.rank == 0:
-            print(f"resumed from {path} at step {self.step_count}", flush=True)
 
 
 def set_seed(seed):
