@@ -101,7 +101,7 @@ class Fixtures:
     def _make_step_small(self, target):
         """A complete training checkpoint (manifest, meta.json, actor/) of the small model: a
         checkpoint of another model for the tiny demo recipe."""
-        from engine.checkpoint_files import save_safe, write_manifest
+        from engine.checkpoint.files import save_safe, write_manifest
         step = os.path.join(target, "global_step_1")
         shutil.copytree(self.path("mcore_small"), os.path.join(step, "actor"),
                         ignore=shutil.ignore_patterns("hf_config", "trident_meta.json"))

@@ -169,23 +169,23 @@ def test_weights_load_at_another_layout_and_other_shapes_fail_clearly(tmp_path):
 def _save_and_fail(root):
     """Two ranks save step 1, then crash in the middle of saving step 2 (after the worker files
     are written); then load step 1 and save step 3."""
-    from engine import checkpoint
+    from engine.checkpoint import manager as module
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(), seed=1)
     worker = _actor()
     _ppo_step(worker, seed=3)
-    manager = checkpoint.CheckpointManager(root)
+    manager = module.CheckpointManager(root)
     manager.save(1, {"actor": worker}, {"global_steps": 1})
-    real = checkpoint.rng_state
-    checkpoint.rng_state = lambda: (_ for _ in ()).throw(OSError("disk full (simulated)"))
+    real = module.rng_state
+    module.rng_state = lambda: (_ for _ in ()).throw(OSError("disk full (simulated)"))
     failed = None
     try:
         manager.save(2, {"actor": worker}, {"global_steps": 2})
     except OSError as e:
         failed = str(e)
     finally:
-        checkpoint.rng_state = real
+        module.rng_state = real
     left = sorted(os.listdir(root))
     latest = manager.latest()
     state = manager.load(latest, {"actor": worker})
@@ -206,14 +206,14 @@ def test_failed_save_leaves_previous_checkpoint_usable(tmp_path):
 _KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    from engine import checkpoint
-    manager = checkpoint.CheckpointManager({ckpt!r})
+    from engine.checkpoint import manager as module
+    manager = module.CheckpointManager({ckpt!r})
     manager.save(1, {{}}, {{"global_steps": 1}})
-    real = checkpoint.write_manifest
+    real = module.write_manifest
     def die(directory, *args):
         real(directory, *args)  # the new checkpoint is fully written, only the rename is missing
         os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint.write_manifest = die
+    module.write_manifest = die
     manager.save(2, {{}}, {{"global_steps": 2}})
 """)
 

@@ -63,7 +63,7 @@ def _fallback_run(root):
     at_step_1 = _weights(worker)
     _ppo_step(worker, seed=4)
     handler = _Warnings()
-    logging.getLogger("engine.checkpoint").addHandler(handler)
+    logging.getLogger("engine.checkpoint.manager").addHandler(handler)
     out = {"resolved": {}, "warnings": {}, "direct": {}}
     try:
         for how in ("truncate", "flip", "manifest"):
@@ -85,7 +85,7 @@ def _fallback_run(root):
         fresh = _actor(weight_salt="-other")
         state = manager.load(manager.resolve("auto"), {"actor": fresh})
     finally:
-        logging.getLogger("engine.checkpoint").removeHandler(handler)
+        logging.getLogger("engine.checkpoint.manager").removeHandler(handler)
     out.update(at_step_1=at_step_1, loaded=_weights(fresh), state=state)
     return out
 
@@ -198,7 +198,7 @@ def test_fallback_order_and_no_usable_checkpoint(tmp_path, caplog):
         manager.save(step, {}, {"step": step, "pad": list(range(500))})
     _damage(str(tmp_path / "global_step_3" / "trainer_state.pt"), "truncate")
     os.remove(tmp_path / "global_step_2" / "manifest.json")
-    with caplog.at_level(logging.WARNING, logger="engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="engine.checkpoint.manager"):
         assert manager.resolve("auto") == str(tmp_path / "global_step_1")
     text = caplog.text
     assert "global_step_2" in text and "incomplete" in text
@@ -225,10 +225,10 @@ def test_size_only_verification_misses_flips_checksums_catch_them(tmp_path):
 
 def test_every_file_is_fsynced_before_the_manifest(tmp_path, monkeypatch):
     """Durability order: each file's data (and its directory) reach the disk, then the manifest."""
-    from engine import checkpoint
+    from engine.checkpoint import manager as module
 
     events = []
-    real_fsync, real_manifest = os.fsync, checkpoint.write_manifest
+    real_fsync, real_manifest = os.fsync, module.write_manifest
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -238,8 +238,8 @@ def test_every_file_is_fsynced_before_the_manifest(tmp_path, monkeypatch):
         events.append(("manifest", directory))
         return real_manifest(directory, *args)
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(checkpoint, "write_manifest", manifest)
-    path = checkpoint.CheckpointManager(str(tmp_path)).save(4, {}, {"step": 4})
+    monkeypatch.setattr(module, "write_manifest", manifest)
+    path = module.CheckpointManager(str(tmp_path)).save(4, {}, {"step": 4})
     at = events.index(("manifest", str(tmp_path / ".tmp-step_4")))
     synced = {p for kind, p in events[:at] if kind == "fsync"}
     for rel in json.load(open(os.path.join(path, "manifest.json")))["files"]:
@@ -248,7 +248,7 @@ def test_every_file_is_fsynced_before_the_manifest(tmp_path, monkeypatch):
 
 
 def test_checksums_stream_in_blocks_and_older_sha256_manifests_verify(tmp_path):
-    from engine import checkpoint_files as cf
+    from engine.checkpoint import files as cf
 
     data = os.urandom(cf.BLOCK * 2 + 12345)  # crosses block boundaries
     (tmp_path / "big.bin").write_bytes(data)
@@ -270,7 +270,7 @@ def _shares_run(root):
     flipped: sizes still match) and every rank must report that file."""
     import torch.distributed as dist
 
-    from engine import checkpoint_files as cf
+    from engine.checkpoint import files as cf
 
     directory = os.path.join(root, "ckpt")
     if dist.get_rank() == 0:
@@ -301,7 +301,7 @@ def _shares_run(root):
 def test_checkpoint_checks_cover_every_ranks_share(tmp_path):
     """Manifest checksums and verification are split over ranks: a flipped byte in any rank's
     part is found, and the manifest the ranks build equals the one-process manifest."""
-    from engine import checkpoint_files as cf
+    from engine.checkpoint import files as cf
 
     results = run_on_ranks(_shares_run, 2, str(tmp_path))
     directory = str(tmp_path / "ckpt")

@@ -38,9 +38,9 @@ def _save_contents(tmp):
     files = sorted(os.listdir(step_dir))
     resumed = _trainer(["trainer.resume_mode=auto"], tmp)
     resumed.resume()
-    from engine.checkpoint_state import _has_optimizer_state
+    from engine.checkpoint.state import has_optimizer_state
     return dict(meta=meta, files=files, step=resumed.step_count, position=resumed.loader.state_dict(),
-                fresh_optimizer=not _has_optimizer_state(resumed.actor))
+                fresh_optimizer=not has_optimizer_state(resumed.actor))
 
 
 def test_save_contents_model_only(tmp_path):

@@ -116,7 +116,7 @@ def _train_once(adapters: bool):
     """One update of the recipe's tiny model; what moved, what the optimizer holds."""
     import transformers
 
-    from engine.checkpoint_state import _torch_optimizers
+    from engine.checkpoint.state import torch_optimizers
     from engine.config import load_config
     from engine.models.lora import is_adapter_name
     from engine.workers.actor import ActorWorker
@@ -140,7 +140,7 @@ def _train_once(adapters: bool):
     worker.update_policy(batch)  # B = 0 gives A no gradient on the first step: two steps
     worker.update_policy(batch)
     after = dict(iter_global(worker.chunks))
-    opts = _torch_optimizers(worker)
+    opts = torch_optimizers(worker)
     return dict(
         moved={n for n in before if not torch.equal(before[n], after[n])},
         names=set(before), adapters={n for n in before if is_adapter_name(n)},

@@ -81,7 +81,7 @@ def _load_on_one_rank(tmp):
     from engine.checkpoint import CheckpointManager
 
     manager, handler = CheckpointManager(tmp), _Collect()
-    logging.getLogger("engine.checkpoint").addHandler(handler)
+    logging.getLogger("engine.checkpoint.manager").addHandler(handler)
     try:
         out = []
         for scramble in (7, 8):  # whatever state the process had: the same reseeded draws
@@ -92,7 +92,7 @@ def _load_on_one_rank(tmp):
         manager.load(manager.latest(), {}, rng_seed=2)
         out.append(_draws())
     finally:
-        logging.getLogger("engine.checkpoint").removeHandler(handler)
+        logging.getLogger("engine.checkpoint.manager").removeHandler(handler)
     return out, handler.messages
 
 

@@ -113,7 +113,7 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
     from engine.models.builder import build_model
     from parallel.mesh import init_mesh
 
-    from engine.checkpoint_state import check_model_matches
+    from engine.checkpoint.state import check_model_matches
 
     meta_path = os.path.join(ckpt_dir, META_FILE)
     if not os.path.isdir(ckpt_dir) or not os.path.exists(os.path.join(ckpt_dir, "metadata.json")):
@@ -250,7 +250,7 @@ def check_dist_checkpoint_files(ckpt_dir):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from engine.checkpoint_files import CheckpointError
+    from engine.checkpoint import CheckpointError
     if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
         raise CheckpointError(f"--ckpt {ckpt_dir!r} has no .metadata file (the index of its tensors); "
                               "it is incomplete: copy it again or convert again with hf-to-mcore")

@@ -1,5 +1,7 @@
-"""Save and resume everything a run needs: model weights, optimizer, LR scheduler, trainer state
-(step, data loader position, KL controller ...) and every rank's RNG states.
+"""The checkpoint manager (`CheckpointManager`): save, load, resolve which checkpoint to resume
+from, and verify on the way. It saves and resumes everything a run needs: model weights,
+optimizer, LR scheduler, trainer state (step, data loader position, KL controller ...) and every
+rank's RNG states.
 
 Layout of `root_dir`:
 
@@ -12,7 +14,7 @@ Layout of `root_dir`:
         manifest.json              size + CRC-32 of every other file (written last)
     latest_checkpointed_iteration.txt   the newest step (verl's name), replaced atomically
 
-Verified (engine/checkpoint_files.py): before the manifest is written every file is fsynced
+Verified (files.py): before the manifest is written every file is fsynced
 (each node syncs what it wrote); the checksums are computed by all ranks, each a share of the
 files. Loading checks the manifest: sizes always, checksums unless verify="size". resume_mode
 auto takes the newest checkpoint that passes and falls back, with a warning, past a damaged
@@ -33,6 +35,12 @@ the 2-rank tests) but needs the same TP/PP. To change TP/PP, load with `load_opt
 (weights only; Adam restarts). megatron-core 0.16's other forms do not work here:
 `fully_sharded_model_space` fails to build ("flattened_range is not supported") and
 `fully_reshardable` fails to load into torch Adam (KeyError 'step').
+
+What a worker and a rank contribute (model / optimizer state, RNG) and the checks on them are in
+state.py; the files' integrity (manifest, fsync, safe pickles) and the collective helpers in files.py.
+
+Tests: tests/test_checkpoint.py, tests/test_checkpoint_verify.py, tests/test_resume_rng.py,
+tests/test_lora.py, tests/test_config_acts.py, tests/test_bad_inputs.py
 """
 import json
 import logging
@@ -44,21 +52,18 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_files import (MANIFEST_FILE, META_FILE, TMP_PREFIX, VERIFY_LEVELS,
-                                     CheckpointError, NonFiniteError, fsync_dir, load_safe,
-                                     make_durable, manifest_entries, resume_path_problem,
-                                     save_safe, verify_checkpoint, verify_manifest, write_atomic,
+from engine.checkpoint.files import (MANIFEST_FILE, META_FILE, TMP_PREFIX, VERIFY_LEVELS,
+                                     CheckpointError, barrier, fsync_dir, load_safe, make_durable,
+                                     manifest_entries, on_rank0_then_share, resume_path_problem,
+                                     save_safe, verify_checkpoint, world, write_atomic,
                                      write_manifest)
-from engine.checkpoint_files import barrier as _barrier
-from engine.checkpoint_files import on_rank0_then_share as _on_rank0_then_share
-from engine.checkpoint_files import world as _world
-from engine.checkpoint_state import (_adam_step, _check_finite, _check_model_matches, _create_optimizer_state,
-                                     _has_optimizer_state, _layout, _lora_of, _model_keys,
-                                     _model_sharded_state_dict, _optim_metadata, _restore_adam_steps,
-                                     reseed_rng, rng_state, set_rng_state)
+from engine.checkpoint.state import (adam_step, check_finite, check_worker_matches,
+                                     create_optimizer_state, has_optimizer_state, lora_of,
+                                     model_keys, model_sharded_state_dict, optim_metadata,
+                                     parallel_layout, reseed_rng, restore_adam_steps, rng_state,
+                                     set_rng_state)
 
-__all__ = ["CheckpointError", "CheckpointManager", "NonFiniteError", "verify_manifest",
-           "write_manifest"]
+__all__ = ["CheckpointManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +175,7 @@ class CheckpointManager:
         return path
 
     def _newest_usable(self, level):
-        steps, incomplete = _on_rank0_then_share(self._step_dirs)
+        steps, incomplete = on_rank0_then_share(self._step_dirs)
         if incomplete and self.rank == 0:
             logger.warning("checkpoint(s) %s under %s have no %s: incomplete saves, ignored",
                            incomplete, self.root_dir, MANIFEST_FILE)
@@ -214,7 +219,7 @@ class CheckpointManager:
         for name in workers:
             if not _WORKER_NAME.match(name) or name == RNG_DIR:
                 raise ValueError(f"worker name {name!r}: use letters, digits and '_' (not {RNG_DIR!r})")
-        _check_finite(workers, step)
+        check_finite(workers, step)
         tmp = os.path.join(self.root_dir, f"{TMP_PREFIX}step_{step}")
         names = sorted(workers)
 
@@ -226,35 +231,35 @@ class CheckpointManager:
             os.makedirs(os.path.join(tmp, RNG_DIR))
             if with_extra:
                 save_safe(trainer_state, os.path.join(tmp, TRAINER_STATE_FILE), "trainer_state")
-        _on_rank0_then_share(prepare)
+        on_rank0_then_share(prepare)
 
         saved = {}
         for name in names:
             worker = workers[name]
-            state = _model_sharded_state_dict(worker)
-            with_optim = "optimizer" in contents and _has_optimizer_state(worker)
+            state = model_sharded_state_dict(worker)
+            with_optim = "optimizer" in contents and has_optimizer_state(worker)
             if with_optim:
                 state["optimizer"] = worker.optimizer.sharded_state_dict(
-                    dict(state), metadata=_optim_metadata(OPTIM_SHARDING))
+                    dict(state), metadata=optim_metadata(OPTIM_SHARDING))
             with_scheduler = worker.scheduler is not None and "optimizer" in contents
             if with_scheduler:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=with_scheduler,
-                               chunks=len(worker.models), adam_step=_adam_step(worker),
-                               lora=_lora_of(worker))
+                               chunks=len(worker.models), adam_step=adam_step(worker),
+                               lora=lora_of(worker))
         if with_extra:
             save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
                       f"the RNG state of rank {self.rank}")
-        layout = _layout()
+        layout = parallel_layout()
 
         def write_meta():
             meta = dict(version=FORMAT_VERSION, step=step, layout=layout, workers=saved,
                         optim_sharding=OPTIM_SHARDING, contents=sorted(contents))
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
-        _on_rank0_then_share(write_meta)
-        _barrier()  # every rank's files are written
+        on_rank0_then_share(write_meta)
+        barrier()  # every rank's files are written
         files = make_durable(tmp)
         entries = manifest_entries(tmp, files)
 
@@ -270,7 +275,7 @@ class CheckpointManager:
             self._remove_leftovers()
             return final
         self._verified.clear()  # what resolve() checked may have been replaced or pruned
-        return _on_rank0_then_share(publish)  # every rank waits for the rename
+        return on_rank0_then_share(publish)  # every rank waits for the rename
 
     def _remove_leftovers(self):
         for name in os.listdir(self.root_dir):
@@ -308,7 +313,7 @@ class CheckpointManager:
         def exists():
             if not os.path.isdir(path):
                 raise CheckpointError(f"checkpoint {path!r} does not exist")
-        _on_rank0_then_share(exists)
+        on_rank0_then_share(exists)
         problem = self._check(path, self._level(verify), just_verified_ok=True)
         self._verified.pop(path, None)  # a later load checks again
         if problem:
@@ -317,10 +322,10 @@ class CheckpointManager:
         def read_meta():
             with open(os.path.join(path, META_FILE)) as f:
                 return json.load(f)
-        meta = _on_rank0_then_share(read_meta)
+        meta = on_rank0_then_share(read_meta)
 
         if load_optimizer and workers and any(w["optimizer"] for w in meta["workers"].values()):
-            here = _layout()
+            here = parallel_layout()
             differ = {k: (meta["layout"].get(k), here[k]) for k in ("tp", "pp", "vpp", "ep")
                       if meta["layout"].get(k) != here[k]}
             if differ:
@@ -335,21 +340,21 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path!r} has no worker {name!r} (it has "
                                       f"{sorted(meta['workers'])})")
             info = meta["workers"][name]
-            if info.get("lora") != _lora_of(worker):
+            if info.get("lora") != lora_of(worker):
                 raise CheckpointError(
                     f"checkpoint {path!r}: worker {name!r} was saved with LoRA {info.get('lora')}, "
-                    f"this run has {_lora_of(worker)}; set actor_rollout_ref.model.lora_rank / "
+                    f"this run has {lora_of(worker)}; set actor_rollout_ref.model.lora_rank / "
                     "lora_alpha / target_modules as in that run, or start without resuming")
-            _check_model_matches(name, worker, directory)
-            state = _model_sharded_state_dict(worker)
+            check_worker_matches(name, worker, directory)
+            state = model_sharded_state_dict(worker)
             with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
             if with_optim:
-                _create_optimizer_state(worker)
+                create_optimizer_state(worker)
                 state["optimizer"] = worker.optimizer.sharded_state_dict(
-                    dict(state), is_loading=True, metadata=_optim_metadata(meta["optim_sharding"]))
+                    dict(state), is_loading=True, metadata=optim_metadata(meta["optim_sharding"]))
             loaded = dist_checkpointing.load(state, directory)
-            for key, model in zip(_model_keys(worker), worker.models):
-                if _lora_of(worker) is None:
+            for key, model in zip(model_keys(worker), worker.models):
+                if lora_of(worker) is None:
                     model.load_state_dict(loaded[key], strict=True)
                 else:
                     from engine.models.lora import load_adapter_state
@@ -357,23 +362,23 @@ class CheckpointManager:
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
                     worker.optimizer.load_state_dict(loaded["optimizer"])
-                _restore_adam_steps(worker, info.get("adam_step"))
+                restore_adam_steps(worker, info.get("adam_step"))
             if load_optimizer and worker.scheduler is not None and "scheduler" in loaded:
                 worker.scheduler.load_state_dict(loaded["scheduler"])
 
         if "extra" not in meta.get("contents", ["extra"]):
-            _barrier()
+            barrier()
             return {"step": meta["step"]}  # saved without 'extra': the trainer derives the rest
         rng_file = os.path.join(path, RNG_DIR, f"rank_{self.rank}.pt")
-        if meta["layout"]["world_size"] == _world() and os.path.exists(rng_file):
+        if meta["layout"]["world_size"] == world() and os.path.exists(rng_file):
             set_rng_state(load_safe(rng_file))
         else:
             then = "reseeded from (seed, rank, step)" if rng_seed is not None else "left as they are"
             logger.warning("checkpoint %s was saved on %s ranks, this run has %s: the saved RNG "
                            "states do not apply; every rank's RNG is %s", path,
-                           meta["layout"]["world_size"], _world(), then)
+                           meta["layout"]["world_size"], world(), then)
             if rng_seed is not None:
                 reseed_rng(rng_seed, self.rank, int(meta["step"]))
         trainer_state = load_safe(os.path.join(path, TRAINER_STATE_FILE))
-        _barrier()
+        barrier()
         return trainer_state

@@ -1,6 +1,12 @@
 """What of a worker (model, optimizer, scheduler) and of a rank (RNG) a checkpoint holds, and
 the checks on them: finite values before saving, the model's shape before loading, the
-optimizer state Megatron needs created before it can load into it (engine/checkpoint.py)."""
+optimizer state Megatron needs created before it can load into it. The manager (manager.py)
+calls these; `check_model_matches` also serves tools/convert_checkpoint.py, `reseed_rng` the
+trainers.
+
+Tests: tests/test_checkpoint.py, tests/test_checkpoint_verify.py, tests/test_resume_rng.py,
+tests/test_lora.py, tests/test_config_acts.py, tests/test_bad_inputs.py
+"""
 import hashlib
 import logging
 import random
@@ -9,10 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_files import CheckpointError, NonFiniteError
-from engine.checkpoint_files import raise_if_any as _raise_if_any
-from engine.checkpoint_files import rank as _rank
-from engine.checkpoint_files import world as _world
+from engine.checkpoint.files import CheckpointError, NonFiniteError, raise_if_any, world
+from engine.checkpoint.files import rank as this_rank
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,7 @@ def _non_finite(worker):
     named = [(f"parameter {n!r}", p) for m in worker.models for n, p in m.named_parameters()]
     if worker.optimizer is not None:
         k = 0
-        for opt in _torch_optimizers(worker):
+        for opt in torch_optimizers(worker):
             for group in opt.param_groups:
                 for p in group["params"]:
                     named.append((f"optimizer main parameter #{k}", p))
@@ -44,17 +48,17 @@ def _non_finite(worker):
     return bad
 
 
-def _check_finite(workers, step):
+def check_finite(workers, step):
     problem = None
     for name in sorted(workers):
         bad = _non_finite(workers[name])
         if bad:
             problem = (f"refusing to save step {step}: worker {name!r} has NaN/Inf in {bad[0]}"
                        f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''} (rank "
-                       f"{_rank()}); a checkpoint must hold a usable model. Roll back to the last "
+                       f"{this_rank()}); a checkpoint must hold a usable model. Roll back to the last "
                        "good checkpoint (or lower the learning rate / skip the batch) and go on")
             break
-    _raise_if_any(problem, NonFiniteError)
+    raise_if_any(problem, NonFiniteError)
 
 
 # -- RNG --------------------------------------------------------------------------------------
@@ -90,37 +94,37 @@ def set_rng_state(state: dict):
 
 
 # -- what a worker contributes ----------------------------------------------------------------
-def _model_keys(worker):
+def model_keys(worker):
     """Megatron's nesting: one chunk -> "model", virtual stages -> "model0", "model1", ..."""
     n = len(worker.models)
     return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
 
 
-def _model_sharded_state_dict(worker) -> dict:
+def model_sharded_state_dict(worker) -> dict:
     """A LoRA worker's model part is its adapters only: the base comes from model.path (or the
     seeded initialisation of an inline-config model) and is frozen."""
     from engine.models.lora import adapter_only
     lora = getattr(worker, "lora", None) is not None
     return {key: adapter_only(m.sharded_state_dict()) if lora else m.sharded_state_dict()
-            for key, m in zip(_model_keys(worker), worker.models)}
+            for key, m in zip(model_keys(worker), worker.models)}
 
 
-def _lora_of(worker):
+def lora_of(worker):
     """The LoRA settings recorded in meta.json (None: a full model)."""
     spec = getattr(worker, "lora", None)
     return None if spec is None else spec.as_dict()
 
 
-def _torch_optimizers(worker):
+def torch_optimizers(worker):
     opt = worker.optimizer
     return [getattr(o, "optimizer", o) for o in getattr(opt, "chained_optimizers", [opt])]
 
 
-def _has_optimizer_state(worker) -> bool:
+def has_optimizer_state(worker) -> bool:
     """Megatron's optimizer state exists only after the first step (then on every rank)."""
     if worker.optimizer is None:
         return False
-    inner = _torch_optimizers(worker)
+    inner = torch_optimizers(worker)
     flag = torch.tensor([int(all(len(o.state) > 0 for o in inner))])
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -128,11 +132,11 @@ def _has_optimizer_state(worker) -> bool:
 
 
 @torch.no_grad()
-def _create_optimizer_state(worker):
+def create_optimizer_state(worker):
     """A fresh optimizer has no state to load into (and Megatron's distributed optimizer cannot
     describe itself without it): one step on zero gradients creates it; the load overwrites
     every value it creates, including the parameters."""
-    for opt in _torch_optimizers(worker):
+    for opt in torch_optimizers(worker):
         if len(opt.state) > 0:
             continue
         params = [p for group in opt.param_groups for p in group["params"] if p.numel() > 0]
@@ -143,52 +147,52 @@ def _create_optimizer_state(worker):
             p.grad = None
 
 
-def _adam_step(worker):
+def adam_step(worker):
     """Adam's step count (the same for every parameter), saved beside Megatron's state."""
-    for opt in _torch_optimizers(worker):
+    for opt in torch_optimizers(worker):
         for state in opt.state.values():
             if "step" in state:
                 return float(state["step"])
     return None
 
 
-def _restore_adam_steps(worker, step):
+def restore_adam_steps(worker, step):
     """megatron-core 0.16's distributed optimizer (torch Adam path, without TE/Apex) does not
     round-trip Adam's step count through its dp_reshardable state (it comes back as the one
     zero-gradient step taken to create the state), and loads one `step` tensor shared by every
     parameter, which torch Adam would increment once per parameter. Each parameter gets its own
     tensor holding the saved count, so the next step's bias correction is the uninterrupted one."""
-    for opt in _torch_optimizers(worker):
+    for opt in torch_optimizers(worker):
         for state in opt.state.values():
             if torch.is_tensor(state.get("step")):
                 value = state["step"] if step is None else torch.tensor(step)
                 state["step"] = value.clone().to(state["step"].dtype)
 
 
-def _optim_metadata(sharding):
+def optim_metadata(sharding):
     return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
 
 
-def _layout():
+def parallel_layout():
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():  # trainer state only
-        return dict(world_size=_world())
+        return dict(world_size=world())
     return dict(tp=ps.get_tensor_model_parallel_world_size(),
                 pp=ps.get_pipeline_model_parallel_world_size(),
                 vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
                 cp=ps.get_context_parallel_world_size(),
                 ep=ps.get_expert_model_parallel_world_size(),
-                dp=ps.get_data_parallel_world_size(), world_size=_world())
+                dp=ps.get_data_parallel_world_size(), world_size=world())
 
 
 def check_model_matches(chunks, directory, fix=None):
     """CheckpointError (on every rank) unless the Megatron dist checkpoint `directory` holds
     exactly the model tensors of `chunks` with their global shapes (tools/convert_checkpoint)."""
     from types import SimpleNamespace
-    _check_model_matches("model", SimpleNamespace(models=chunks), directory, fix)
+    check_worker_matches("model", SimpleNamespace(models=chunks), directory, fix)
 
 
-def _check_model_matches(name, worker, directory, fix=None):
+def check_worker_matches(name, worker, directory, fix=None):
     """Clear error (on every rank) when the checkpoint's model tensors are not this model's."""
     fix = fix or "build the model the checkpoint was saved from (same HF config) or start without resuming"
     from megatron.core import dist_checkpointing
@@ -197,7 +201,7 @@ def _check_model_matches(name, worker, directory, fix=None):
 
     saved = {k: tuple(v.global_shape)
              for k, v in dist_checkpointing.load_tensors_metadata(directory).items()}
-    wanted = _model_sharded_state_dict(worker)
+    wanted = model_sharded_state_dict(worker)
     apply_factories(wanted)  # a throwaway copy: only the keys and global shapes are read
     problem = None
     keys = set()
@@ -214,11 +218,11 @@ def _check_model_matches(name, worker, directory, fix=None):
                        f"checkpoint {directory!r} but {tuple(t.global_shape)} in this model; it "
                        f"was saved from a different model size: {fix}")
             break
-    _raise_if_any(problem)
+    raise_if_any(problem)
     # tensors no rank asks for (e.g. a value head the model lacks) mean another architecture
     all_keys = [keys]
     if dist.is_initialized():
-        all_keys = [None] * _world()
+        all_keys = [None] * world()
         dist.all_gather_object(all_keys, keys)
     model_saved = {k for k in saved if not k.startswith("optimizer.")}
     unexpected = sorted(model_saved - set().union(*all_keys))

@@ -1,4 +1,6 @@
-"""Integrity of checkpoint files (used by engine/checkpoint.py).
+"""Integrity of checkpoint files (used by manager.py), the safe pickles, the cheap checks of a
+resume path, and the collective helpers (rank 0 then share, barrier, first problem) the package
+runs on; the errors CheckpointError / NonFiniteError.
 
 - Durable: `fsync_files` flushes written files and their directories before the manifest.
 - Manifest: size + checksum of every file, written last (atomically); a directory without
@@ -11,6 +13,9 @@
 - Safe pickles: `save_safe` / `load_safe` store dicts of plain types, tensors and numpy values
   so that `torch.load(weights_only=True)` reads them (numpy arrays, e.g. numpy's RNG state, go
   as tagged uint8 tensors of their bytes and come back as the same arrays).
+
+Tests: tests/test_checkpoint_verify.py, tests/test_checkpoint.py, tests/test_bad_inputs.py,
+tests/test_experience_parts.py
 """
 import hashlib
 import io
@@ -28,7 +33,7 @@ import torch.distributed as dist
 from engine.errors import UserError
 
 MANIFEST_FILE = "manifest.json"
-META_FILE = "meta.json"  # step, layout, workers (engine/checkpoint.py writes it)
+META_FILE = "meta.json"  # step, layout, workers (manager.py writes it)
 MANIFEST_VERSION = 2
 CHECKSUM = "crc32"
 BLOCK = 8 << 20
