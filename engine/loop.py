@@ -32,7 +32,7 @@ What `fit()` calls, in this order (`t` is cfg.trainer, `step` is self.step_count
     shutdown()
     return step
 
-save() (the shell's; when there is a checkpoint manager): enter_checkpoint(), then
+save() (the shell's; when there is a checkpoint manager): inside `with checkpoint_phase():`,
 checkpoints.save(step, workers(), state_dict(), contents=actor.checkpoint.save_contents).
 
 The hooks (required ones raise NotImplementedError here):
@@ -52,9 +52,10 @@ The hooks (required ones raise NotImplementedError here):
                                      calls rollback()); may pop private keys from metrics.
     rollback()                       required if after_step can return True. restore_latest()
                                      is the shared part (last good checkpoint, logger).
-    enter_checkpoint()               before a save and before restore_latest()'s load (the
-                                     colocated PPO trainer moves its memory to the checkpoint
-                                     phase); not called by resume().
+    checkpoint_phase() -> context    a context manager around a save and restore_latest()'s
+                                     load (PPO: ctx.phase("save_checkpoint"), the states a
+                                     checkpoint reads or writes on the device); default none;
+                                     not entered by resume().
     loader_state() -> dict           the data position saved as state["loader"]; default
                                      self.loader.state_dict().
     extra_state() -> dict            the task's trainer state, merged into state_dict() after
@@ -72,6 +73,7 @@ then load_extra_state(state).
 
 Tests: tests/test_loop.py, tests/test_offline_trainers.py
 """
+import contextlib
 import dataclasses
 
 import torch.distributed as dist
@@ -124,8 +126,8 @@ class Loop:
         raise NotImplementedError(f"{type(self).__name__}.after_step refused a step but the "
                                   "trainer has no rollback")
 
-    def enter_checkpoint(self):
-        pass
+    def checkpoint_phase(self):
+        return contextlib.nullcontext()
 
     def loader_state(self):
         return self.loader.state_dict()
@@ -190,9 +192,9 @@ class Loop:
     def save(self):
         if self.checkpoints is None:
             return
-        self.enter_checkpoint()
-        self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
-                              contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
+        with self.checkpoint_phase():
+            self.checkpoints.save(self.step_count, self.workers(), self.state_dict(),
+                                  contents=self.cfg.actor_rollout_ref.actor.checkpoint.save_contents)
 
     def _restore(self, path):
         state = self.checkpoints.load(path, self.workers(), rng_seed=self.cfg.trainer.seed)
@@ -217,6 +219,6 @@ class Loop:
         nothing changes). For rollback()."""
         path = self.checkpoints.resolve("auto") if self.checkpoints is not None else None
         if path is not None:
-            self.enter_checkpoint()
-            self._restore(path)
+            with self.checkpoint_phase():
+                self._restore(path)
         return path

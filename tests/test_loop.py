@@ -2,6 +2,7 @@
 calls, the validation and checkpoint cadence, the end of a run, resume (step, data position, the
 task's state, the metrics log), a refused step's rollback, and a checkpoint without trainer
 state."""
+import contextlib
 import json
 
 import pytest
@@ -89,8 +90,11 @@ class Recorder(Loop):
     def workers(self):
         return {"actor": object(), "critic": object()}
 
-    def enter_checkpoint(self):
+    @contextlib.contextmanager
+    def checkpoint_phase(self):
         self.events.append(f"enter_checkpoint:{self.step_count}")
+        yield
+        self.events.append(f"exit_checkpoint:{self.step_count}")
 
     def save(self):
         self.events.append(f"save:{self.step_count}")
@@ -140,9 +144,10 @@ def test_fresh_run_calls_the_hooks_in_order_on_cadence(tmp_path):
     def steps(k):
         return [step[0], step[1].format(k - 1, k), step[2].format(k)]
     expected = (["start", "validate:0"] + steps(1) + steps(2)
-                + ["validate:2", "save:2", "enter_checkpoint:2"] + steps(3) + steps(4)
-                + ["validate:4", "save:4", "enter_checkpoint:4"] + steps(5)
-                + ["validate:5", "save:5", "enter_checkpoint:5", "export_hf:5", "shutdown"])
+                + ["validate:2", "save:2", "enter_checkpoint:2", "exit_checkpoint:2"] + steps(3) + steps(4)
+                + ["validate:4", "save:4", "enter_checkpoint:4", "exit_checkpoint:4"] + steps(5)
+                + ["validate:5", "save:5", "enter_checkpoint:5", "exit_checkpoint:5",
+                   "export_hf:5", "shutdown"])
     assert loop.events == expected
     assert loop.first_step == 0
     # what a checkpoint holds: step, data position, the task's state, through workers()
@@ -184,7 +189,7 @@ def test_refused_step_is_logged_rolled_back_and_retrained(tmp_path):
     assert loop.fit() == 4
     at3 = loop.events.index("after_step:3")
     # refused: no validation, no save, straight to the rollback to step 2 (data position too)
-    assert loop.events[at3 + 1:at3 + 4] == ["enter_checkpoint:3", "load_extra:2",
+    assert loop.events[at3 + 1:at3 + 5] == ["enter_checkpoint:3", "load_extra:2", "exit_checkpoint:2",
                                             "rollback->2:ckpt/global_step_2"]
     assert loop.events.count("train_step:2:fault_step=3") == 2  # step 3 runs again
     assert loop.loader.position == 4
