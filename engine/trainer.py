@@ -358,18 +358,16 @@ class Trainer(Loop):
             out["critic"] = self.critic
         return out
 
-    def save(self):
-        if self.checkpoints is not None:
-            with self.ctx.phase("save_checkpoint"):  # every saved model's states on the device
-                super().save()
+    def checkpoint_phase(self):
+        """Around a save and a rollback's load: every checkpointed model's states on the device."""
+        return self.ctx.phase("save_checkpoint")
 
     def rollback(self):
         """`max_nonfinite_skips` steps in a row applied nothing: back to the last good
         checkpoint (its weights, data position, RNG) with a lower LR; without one, the current
         weights are the last good ones (nothing non-finite was applied): lower the LR in place."""
         guard = self.guard.state_dict()
-        with self.ctx.phase("save_checkpoint"):  # the states a checkpoint's load writes into
-            path = self.restore_latest()
+        path = self.restore_latest()
         self.guard.load_state_dict(guard)
         scale = self.guard.lower_lr(list(self.workers().values()))
         if self.rank == 0:

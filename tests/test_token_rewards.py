@@ -1,5 +1,5 @@
 """Token-level rewards from preference models in PPO (reward_model.token_level), through the real
-trainer's compute_scores on 2 gloo ranks, against transformers' own forward of the same HF
+trainer's reward phase (StepContext.score) on 2 gloo ranks, against transformers' own forward of the same HF
 checkpoints and engine/rewards/preference.py's formulas:
 
 * margin: a reward model's score (LlamaForSequenceClassification) spread evenly over the
@@ -44,8 +44,6 @@ def _hf_models(tmp):
 
 def _scores(tmp, *extra):
     import torch.distributed as dist
-    from collections import defaultdict
-
     from engine.config import load_config
     from engine.train import build
     from engine.trainer import Trainer, set_seed
@@ -54,9 +52,10 @@ def _scores(tmp, *extra):
     set_seed(cfg.trainer.seed)
     t = Trainer(*build(cfg, 2))
     prompts = t.loader.next_batch()
-    batch, _ = t.experience.collect(t, prompts, defaultdict(float))
-    t.colocated.enter("reward")
-    scores, extra_info = t.compute_scores(batch)
+    t.ctx.begin_step()
+    batch, _ = t.experience.collect(t.ctx, prompts)
+    extra_info = t.ctx.score(batch)  # the reward phase
+    scores = batch["token_level_scores"]
     metrics = t.train_step(t.loader.next_batch())  # and a whole step through it
     return dict(scores=scores, model_score=extra_info["model_score"], metrics=metrics,
                 **{k: batch[k] for k in ("input_ids", "attention_mask", "responses", "response_mask")},
