@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
-from engine.data import PromptLoader, pad_token_id
+from engine.data import PromptLoader
 from engine.experience.context import StepContext
 from engine.experience.pool import Pool, connect
 from engine.experience.scoring import replica_groups
@@ -79,7 +79,7 @@ class Trainer(Loop):
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.ctx = StepContext(
             derived, self.colocated, self.rollout, self.reward_fn, self.reward_model, self.ref, self.actor,
-            self.hf_config, self.loader, self.train_data, pad_token_id(self.tokenizer), self.eos_ids,
+            self.hf_config, self.loader, self.train_data, c.pad_id, self.eos_ids,
             self.dp, self.dp_rank, rank, replicas, replica_group, cfg.trainer.total_training_steps,
             watch=c.watch, comm=self.comm)
         Loop.__init__(self, cfg, checkpoints=c.checkpoints)  # the shell: logger, step count, cadence

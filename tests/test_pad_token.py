@@ -49,11 +49,11 @@ def _step_without_pad(tmp):
     prompt_pad = b["input_ids"][:, :-width][b["attention_mask"][:, :-width] == 0]
     response_pad = b["responses"][b["response_mask"] == 0]
     engines = [g for g in (getattr(t.rollout, "engine", None),) if g is not None]
-    out = dict(eos=c.tokenizer.eos_token_id, trainer=t.pad_id,
+    out = dict(eos=c.tokenizer.eos_token_id, trainer=t.ctx.pad_id,
                workers=[w.pad_token_id for w in (t.actor, t.ref) if w is not None],
                engines=[e.pad_token_id for e in engines if hasattr(e, "pad_token_id")],
                prompt_pad=sorted(set(prompt_pad.tolist())), response_pad=sorted(set(response_pad.tolist())))
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
     return out
 
