@@ -2,7 +2,10 @@
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
 critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
-`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead.
+`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead. Which rollout
+backend runs, and whether this machine can run it, is engine/rollout/registry.py's answer.
+
+Tests: tests/test_e2e.py, tests/test_bad_inputs.py, tests/test_config_reward_tokenizer.py, tests/test_device_memory.py
 """
 import os
 import sys
@@ -83,9 +86,9 @@ def prepare(cfg, world_size) -> Prepared:
         implicit = resolved.reward_model.token_level == "implicit"  # a DPO policy: a language model
         _check_weights(rm_config, resolved.reward_model.model, "reward_model.model", "lm" if implicit else "value")
         _check_token_ids(tokenizer, resolved.reward_model.model, model, "reward_model.model", rm_config)
-    from engine.rollout.registry import check_available
-    try:
-        check_available(resolved.actor_rollout_ref.rollout.name)
+    from engine.rollout.registry import rollout_backend
+    try:  # this machine runs the derived backend (engine/rollout/registry.py decides)
+        rollout_backend(resolved.actor_rollout_ref.rollout.name, resolved.trainer.device, here=True)
     except ValueError as e:  # its messages name the key and the fix
         raise ConfigError(str(e)) from None
     train_data, val_data = load_datasets(cfg, tokenizer)
@@ -256,10 +259,10 @@ def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None):
     from megatron.core import parallel_state as ps
 
     from engine.rollout.group import GroupedRollout
-    from engine.rollout.registry import backend_class, check_available, make_rollout
+    from engine.rollout.registry import backend_class, make_rollout, rollout_backend
 
     r = cfg.actor_rollout_ref.rollout
-    check_available(r.name)
+    rollout_backend(r.name, cfg.trainer.device, here=True)  # fails on every rank, before any group forms
     eos = [tokenizer.eos_token_id] + list(r.stop_token_ids)
 
     def engine(placement):

@@ -7,7 +7,7 @@
 #   2. pytest     pytest -m gpu over GPU_TESTS (tests/gpu and the compiled Triton kernels'
 #                 tests), each test under its own timeout when pytest-timeout is importable
 #   3. grpo       a 2-step GRPO run of recipes/gpu_check_grpo.yaml on one GPU, through SGLang
-#                 when it is importable, else the transformers rollout on CUDA (rollout.name=hf);
+#                 when it can serve here, else the transformers rollout on CUDA (rollout.name=hf);
 #                 passes only when the rollout's probabilities of its own tokens agree with the
 #                 trainer's (tools/gpu_report.py: training/rollout_probs_diff_max)
 #   4. benchmark  tools/benchmark.py step on the largest dense model that fits one GPU in a few
@@ -100,8 +100,10 @@ if has megatron.core; then
     # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
     step pytest "$PY" -m pytest -m gpu $GPU_TESTS -q -rs -p no:cacheprovider "${per_test[@]}" \
         --junitxml "$OUT/pytest.xml"
-    rollout=hf
-    if has sglang; then rollout=sglang; fi
+    rollout=hf  # SGLang where it can serve here (engine/rollout/registry.py decides), else transformers
+    if timeout -k "$KILL_AFTER" 30 "$PY" -c \
+        'import sys; from engine.rollout.registry import sglang_runs_here as ok; sys.exit(0 if ok() else 1)' \
+        2>/dev/null; then rollout=sglang; fi
     step grpo "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m engine.train \
         recipes/gpu_check_grpo.yaml "actor_rollout_ref.rollout.name=$rollout" \
         "trainer.log_dir=$OUT/grpo" "trainer.default_local_dir=$CKPT" "${GRPO_ARGS[@]}"

@@ -8,10 +8,11 @@ from typing import Any, Optional
 
 from engine.config.phases import phase_schedule
 from parallel.mesh import Layout
-from engine.config.schema import CRITIC_ESTIMATORS, TridentConfig
+from engine.config.schema import CRITIC_ESTIMATORS, ConfigError, TridentConfig
 from engine.config.layout_check import _resolve_megatron, rollout_topology_of, validate_layout
 from engine.config.checks import _fail, _options
-from engine.config.validate import sglang_test_double, validate
+from engine.config.validate import validate
+from engine.rollout.registry import rollout_backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,14 +113,10 @@ def derive(cfg: TridentConfig, world_size: Optional[int] = None, dataset_len: Op
             import torch  # only here: the schema itself needs no torch
             cuda_available = torch.cuda.is_available()
         trainer.device = "cuda" if cuda_available else "cpu"
-    if rollout.name == "auto":
-        rollout.name = "sglang" if trainer.device == "cuda" else "cpu"
-    if rollout.name == "sglang" and trainer.device == "cpu" and not sglang_test_double():
-        _fail("actor_rollout_ref.rollout.name", "sglang", "SGLang needs a GPU but no CUDA device is available; "
-              "use rollout.name=cpu")
-    if rollout.name == "hf" and trainer.device == "cpu":
-        _fail("actor_rollout_ref.rollout.name", "hf", "the transformers GPU rollout needs a CUDA device and none "
-              "is available; use rollout.name=cpu")
+    try:  # 'auto' resolved and a backend the device cannot run refused: engine/rollout/registry.py
+        rollout.name = rollout_backend(rollout.name, trainer.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
     # Values inherited from other keys.
     if data.filter_overlong_prompts or data.truncation == "filter":

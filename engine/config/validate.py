@@ -5,6 +5,7 @@ import os
 from typing import Any
 
 from engine.config.checks import _check, _divisors, _fail
+from engine.rollout.registry import rollout_backend
 
 from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
                                   DpoConfig, MegatronConfig, ModelConfig, OptimConfig, RewardModelConfig,
@@ -192,23 +193,13 @@ def _validate_rollout(cfg: TridentConfig) -> None:
     for i, token in enumerate(r.stop_token_ids):
         if token < 0:
             _fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
-    if r.name == "sglang" and cfg.trainer.device == "cpu" and not sglang_test_double():
-        _fail(f"{p}.name", "sglang", "SGLang needs a GPU but trainer.device='cpu'; use rollout.name=cpu")
-    if r.name == "hf" and cfg.trainer.device == "cpu":
-        _fail(f"{p}.name", "hf", "the transformers GPU rollout needs trainer.device='cuda'; use rollout.name=cpu")
+    try:  # a backend trainer.device cannot run (engine/rollout/registry.py decides)
+        rollout_backend(r.name, cfg.trainer.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if r.deterministic and r.name == "hf":
         _fail(f"{p}.deterministic", True, "the transformers rollout has no batch-invariant GPU kernels; "
               "use rollout.name=sglang (enable_deterministic_inference) or deterministic=false")
-
-
-def sglang_test_double() -> bool:
-    """tests/fakes/sglang (a recording double that generates on CPU) lets the trainer run its
-    SGLang path without a GPU; the real package never says this."""
-    import importlib.util
-    if importlib.util.find_spec("sglang") is None:
-        return False
-    import sglang
-    return bool(getattr(sglang, "TRIDENT_TEST_DOUBLE", False))
 
 
 def _validate_critic(cfg: TridentConfig) -> None:

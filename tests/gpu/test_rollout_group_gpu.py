@@ -1,6 +1,5 @@
 """Rollout TP 2 with real SGLang on two GPUs: one engine on the group leader, the hand-off
 inside the group, greedy generation equal to the training logits' argmax."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,12 +8,14 @@ import sys
 import pytest
 import torch
 
+from engine.rollout.registry import sglang_installed
+
 pytestmark = pytest.mark.gpu
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+@pytest.mark.skipif(not sglang_installed(), reason="sglang is not installed")
 def test_rollout_tp2_group_generates_the_training_argmax(tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
