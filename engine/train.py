@@ -33,6 +33,7 @@ class Components:
     reward_model: Optional[Any] = None
     watch: Optional[Any] = None  # engine.guards.CollectiveWatch
     bridge: Optional[Any] = None  # engine.rollout.pool.Bridge to a separate rollout pool
+    pad_id: Optional[int] = None  # the run's pad id, decided once in prepare (engine.data.pad_token_id)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Prepared:
     val_data: Optional[Any]
     hf_config: Any
     reward_model_config: Optional[Any] = None
+    pad_id: Optional[int] = None  # engine.data.pad_token_id(tokenizer), decided here once per run
 
 
 def prepare(cfg, world_size) -> Prepared:
@@ -51,10 +53,12 @@ def prepare(cfg, world_size) -> Prepared:
     arithmetic, the model's HF config against the layout, the checkpoint to resume. A bad
     recipe, data file or model config fails here, on every rank alike, in seconds."""
     from engine.config import derive, validate_layout
+    from engine.data import pad_token_id
 
     derived = derive(cfg, world_size)  # layout and batch arithmetic first: no file is read
     resolved = derived.config
     tokenizer = load_tokenizer(cfg)
+    pad_id = pad_token_id(tokenizer)  # the run's pad id, once: every part that pads gets this one
     model = resolved.actor_rollout_ref.model
     hf_config = load_hf_config(model, vocab_size=len(tokenizer))
     spec = model_spec(hf_config, model)  # the shape checks that need the model: layers, experts, heads
@@ -71,7 +75,7 @@ def prepare(cfg, world_size) -> Prepared:
         if problem:
             raise ConfigError(f"trainer.resume_from_path={path!r}: {problem}")
     if not ppo:  # reward model / DPO: engine/offline reads its preference pairs itself
-        return Prepared(derived, tokenizer, None, None, hf_config)
+        return Prepared(derived, tokenizer, None, None, hf_config, pad_id=pad_id)
     critic = resolved.critic.model
     if derived.use_critic and (critic.path, critic.config) != (model.path, model.config):
         critic_hf = load_hf_config(critic, vocab_size=len(tokenizer), key="critic.model")
@@ -94,7 +98,7 @@ def prepare(cfg, world_size) -> Prepared:
     train_data, val_data = load_datasets(cfg, tokenizer)
     _check_dataset_size(cfg, train_data, val_data)
     derived = derive(cfg, world_size, dataset_len=len(train_data))  # now with the step count
-    return Prepared(derived, tokenizer, train_data, val_data, hf_config, rm_config)
+    return Prepared(derived, tokenizer, train_data, val_data, hf_config, rm_config, pad_id=pad_id)
 
 
 def _check_weights(hf_config, model_cfg, key, head):
@@ -170,7 +174,6 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     """Every component of a run, on this rank, from a validated config (`prepared`: what
     `prepare(cfg, world_size)` returned, computed here when not given; `bridge`: to a separate
     rollout pool)."""
-    from engine.data import pad_token_id
     from engine.perf import peak_flops_per_rank
     from engine.rewards.manager import RewardManager
     from engine.workers.actor import ActorWorker, ReferenceWorker
@@ -184,12 +187,12 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     arr = cfg.actor_rollout_ref
     init_mesh(derived.layout, seed=arr.actor.megatron.seed, timeout_s=cfg.trainer.collective_timeout_s)
     steps = cfg.trainer.total_training_steps
-    pad = pad_token_id(tokenizer)
+    pad = prepared.pad_id  # every part that pads uses this one id
     response_length = arr.rollout.response_length
     # the colocated engines first, on devices training has not touched: SGLang sizes its KV pool
     # from the memory free when it starts (mem_fraction_static x that); then they give it back
     separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
-    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer)
+    rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer, pad_id=pad)
     if rollout is not None:
         from engine.rollout.colocated import hand_back
         hand_back(rollout)
@@ -251,11 +254,13 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
                                         verify=cfg.trainer.checkpoint_verify)
     peak = peak_flops_per_rank(cfg.trainer.device, actor.params_dtype)
     return derived, Components(tokenizer, hf_config, actor, ref, critic, rollout, reward_fn,
-                               train_data, val_data, checkpoints, peak, reward_model, watch, bridge)
+                               train_data, val_data, checkpoints, peak, reward_model, watch, bridge, pad)
 
 
-def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None):
-    """This rank's part of the rollout groups; the ranks the topology names build the engine."""
+def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None, pad_id=None):
+    """This rank's part of the rollout groups; the ranks the topology names build the engine.
+    pad_id: the run's (default: engine.data.pad_token_id(tokenizer), decided here once)."""
+    from engine.data import pad_token_id
     from megatron.core import parallel_state as ps
 
     from engine.rollout.group import GroupedRollout
@@ -264,14 +269,15 @@ def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None):
     r = cfg.actor_rollout_ref.rollout
     rollout_backend(r.name, cfg.trainer.device, here=True)  # fails on every rank, before any group forms
     eos = [tokenizer.eos_token_id] + list(r.stop_token_ids)
+    pad = pad_token_id(tokenizer) if pad_id is None else pad_id
 
     def engine(placement):
-        return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement))
+        return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement, pad))
     return GroupedRollout(topology, backend_class(r.name), engine,
                           dp_rank=ps.get_data_parallel_rank() if dp_rank is None else dp_rank)
 
 
-def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
+def _rollout_kwargs(cfg, hf_config, tokenizer, placement, pad):
     r, arr = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref
     record = dict(record_routing=True) if arr.actor.router_replay else {}
     if r.name == "sglang":
@@ -280,8 +286,6 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement):
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, enable_deterministic_inference=r.deterministic, **record)
-    from engine.data import pad_token_id
-    pad = pad_token_id(tokenizer)
     out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
     if r.name == "hf":  # on the GPU in the actor's dtype
         from engine.workers.base import DTYPES
