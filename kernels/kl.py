@@ -31,28 +31,46 @@ takes that per-token KL as `full_kl`:
 
 Tests: tests/test_kernels_kl.py, tests/test_kl_controllers.py, tests/test_full_kl_actor.py
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from kernels.logprob import _ChunkBuffers, _all_reduce, _global_max, default_chunk_tokens
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FULL_KL_KINDS"]
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "KLKind"]
 
-_CANONICAL = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
-              "low_var_kl": "k3", "k3": "k3"}
-FULL_KL_KINDS = ("full", "full+")  # need the exact per-token KL (linear_full_kl) as full_kl
-KL_KINDS = tuple(_CANONICAL) + tuple(k + "+" for k in _CANONICAL) + FULL_KL_KINDS
+
+@dataclass(frozen=True)
+class KLKind:
+    """What a KL kind is, the one answer every caller reads (`KL_KINDS[kind]`).
+
+    base: the value's estimator, k1 / abs / k2 / k3, or 'full' (the exact KL);
+    straight_through: the "+" kinds, whose gradient is k2's on the sampled token;
+    exact: it needs both full distributions, not two sampled log-probs (`linear_full_kl`'s
+    per-token KL as `full_kl`): the reference pass keeps its hidden states for it."""
+    base: str
+    straight_through: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return self.base == "full"
+
+
+_SAMPLED = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+# the registry: kind name (actor.kl_loss_type, algorithm.kl_penalty) -> KLKind
+KL_KINDS: dict = {**{name: KLKind(base) for name, base in _SAMPLED.items()},
+                  **{name + "+": KLKind(base, straight_through=True) for name, base in _SAMPLED.items()},
+                  "full": KLKind("full"), "full+": KLKind("full", straight_through=True)}
 
 LOG_RATIO_CLAMP = 20.0  # k3: exp(+-20) is finite in fp32
 K3_VALUE_CLAMP = 10.0
 
 
-def _estimator(kind):
-    straight_through = kind.endswith("+")
-    base = _CANONICAL.get(kind[:-1] if straight_through else kind)
-    if base is None:
-        raise ValueError(f"kl kind {kind!r} is not one of {KL_KINDS}")
-    return base, straight_through
+def _kind(kind) -> KLKind:
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl kind {kind!r} is not one of {tuple(KL_KINDS)}")
+    return KL_KINDS[kind]
 
 
 def _value_and_slope(r, base):
@@ -117,7 +135,8 @@ def kl_penalty(logprob, ref_logprob, kind, full_kl=None):
     if logprob.shape != ref_logprob.shape:
         raise ValueError(f"logprob shape {tuple(logprob.shape)} != ref_logprob shape "
                          f"{tuple(ref_logprob.shape)}; pass per-token log-probs of the same tokens")
-    if kind in FULL_KL_KINDS:
+    meta = _kind(kind)
+    if meta.exact:
         if full_kl is None:
             raise ValueError(f"kl kind {kind!r} needs both full distributions, not sampled "
                              f"log-probs: pass full_kl=kernels.kl.linear_full_kl(hidden, weight, "
@@ -125,9 +144,8 @@ def kl_penalty(logprob, ref_logprob, kind, full_kl=None):
         if full_kl.shape != logprob.shape:
             raise ValueError(f"full_kl shape {tuple(full_kl.shape)} != logprob shape "
                              f"{tuple(logprob.shape)}")
-        return full_kl if kind == "full" else _ValueWithK2Grad.apply(full_kl, logprob, ref_logprob)
-    base, straight_through = _estimator(kind)
-    return _KLPenalty.apply(logprob, ref_logprob, base, straight_through)
+        return _ValueWithK2Grad.apply(full_kl, logprob, ref_logprob) if meta.straight_through else full_kl
+    return _KLPenalty.apply(logprob, ref_logprob, meta.base, meta.straight_through)
 
 
 # ---------------------------------------------------------------------------------------------

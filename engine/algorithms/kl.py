@@ -1,5 +1,9 @@
 """KL estimators (re-exported from kernels.kl, where the formulas live) and KL controllers.
 
+Whether a kind is exact (needs both full distributions, so the reference pass keeps its hidden
+states) is the registry's metadata: `KL_KINDS[kind].exact` (kernels.kl.KLKind); every caller
+asks it (the run's step flags in engine/config/steps.py, the actor, tools/plan.py).
+
 Controllers set the KL coefficient beta (`algorithm.kl_ctrl`, used with
 `algorithm.use_kl_in_reward`):
 
@@ -18,16 +22,21 @@ out when it leaves `warn_range`. Its coefficient is trainer state, saved and res
 in-reward coefficient it composes with the controller: each step the controller updates beta,
 then the guard's factor (if a rule fired) multiplies that value.
 
-Tests: tests/test_kl_controllers.py, tests/test_trainer_parts.py, tests/test_checkpoint.py
+Tests: tests/test_kl_controllers.py, tests/test_kl_registry.py, tests/test_trainer_parts.py,
+tests/test_checkpoint.py
 """
 import logging
 
-from kernels.kl import FULL_KL_KINDS, KL_KINDS, kl_penalty, linear_full_kl
+from kernels.kl import KL_KINDS, KLKind, kl_penalty, linear_full_kl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "FULL_KL_KINDS", "FixedKLController",
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "KLKind", "FULL_KL_KINDS", "FixedKLController",
            "AdaptiveKLController", "make_kl_controller", "KLGuard"]
+
+# the exact kinds, read off the registry; only engine/trainer.py imports it, until it reads
+# Derived.step (engine/config/steps.py) instead: then remove it
+FULL_KL_KINDS = tuple(name for name, kind in KL_KINDS.items() if kind.exact)
 
 ADAPTIVE_CLIP = 0.2
 

@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from engine import faults
-from engine.algorithms.kl import FULL_KL_KINDS, kl_penalty, linear_full_kl
+from engine.algorithms.kl import KL_KINDS, kl_penalty, linear_full_kl
 from engine.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, token_weights
 from engine.batch import Batch
 from engine.workers.base import MegatronWorker
@@ -187,7 +187,7 @@ class ActorWorker(LogProbModel):
 
     @property
     def _uses_full_kl(self):
-        return self.cfg.use_kl_loss and self.cfg.kl_loss_type in FULL_KL_KINDS
+        return self.cfg.use_kl_loss and KL_KINDS[self.cfg.kl_loss_type].exact
 
     def _policy_loss(self, hidden, mb, mini, norm, temperature):
         loss, metrics = self._policy_loss_terms(hidden, mb, mini, norm, temperature)
