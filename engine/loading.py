@@ -95,10 +95,10 @@ def load_tokenizer(cfg):
 
 
 def load_datasets(cfg, tokenizer):
-    from engine.data import PromptDataset
+    from engine.data import PromptDataset, truncation_of
     data = cfg.data
     kw = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length,
-              truncation=data.truncation, prompt_key=data.prompt_key,
+              truncation=truncation_of(data), prompt_key=data.prompt_key,
               apply_chat_template=data.chat_template)
     if data.builtin_task:
         from engine.tasks import make_builtin_task

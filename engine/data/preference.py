@@ -14,13 +14,14 @@ rejected_key) in one of the formats users have:
 
 Prompts are tokenized like prompts.py's (the chat template with a generation prompt when
 the tokenizer has one); a response is its text's tokens plus eos, as the rollout produces.
-Bad rows follow `data.truncation` as prompts do: 'error' raises naming the row; 'filter' drops
-and counts them (`data/dropped_empty`, `data/dropped_identical`, `data/dropped_overlong`);
-'left' / 'right' cut an over-long prompt on that side and an over-long response at its end
-(`data/truncated_pairs`), other bad rows raise. HF `datasets` directories are not read (the
-package is not a dependency): convert them to parquet first.
+Bad rows follow `data.truncation` by the row policy prompts follow (engine/data/rows.py, one
+DataError naming the row): 'error' raises; 'filter' drops and counts them (`data/dropped_empty`,
+`data/dropped_identical`, `data/dropped_overlong`); 'left' / 'right' cut an over-long prompt on
+that side and an over-long response at its end (`data/truncated_pairs`), other bad rows raise.
+HF `datasets` directories are not read (the package is not a dependency): convert them to
+parquet first.
 
-Tests: tests/test_preference_data.py, tests/test_offline_trainers.py
+Tests: tests/test_preference_data.py, tests/test_row_policy.py, tests/test_offline_trainers.py
 """
 import json
 import math
@@ -32,6 +33,8 @@ import torch
 
 from engine.batch import Batch
 from engine.data.prompts import PromptLoader, is_empty, is_messages, left_pad, write_prompt_parquet
+from engine.data.rows import RowPolicy
+from engine.errors import DataError
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 DROP_COUNTERS = ("data/dropped_empty", "data/dropped_identical", "data/dropped_overlong")
@@ -46,14 +49,14 @@ def read_preference_rows(files):
     rows = []
     for path in files:
         if os.path.isdir(path):
-            raise ValueError(
+            raise DataError(
                 f"preference data {path!r} is a directory (a HF `datasets` save_to_disk?); Trident "
                 "reads parquet only (the `datasets` package is not installed here). Convert it "
                 f"once: datasets.load_from_disk({str(path)!r}).to_parquet('pairs.parquet'), and "
                 "list the parquet file in data.train_files / data.val_files")
         if not os.path.exists(path):
-            raise ValueError(f"preference data file {path!r} does not exist; check data.train_files"
-                             " / data.val_files")
+            raise DataError(f"preference data file {path!r} does not exist; check data.train_files"
+                            " / data.val_files")
         rows.extend(pq.read_table(path).to_pylist())
     return rows
 
@@ -79,30 +82,30 @@ def _response_of(value, what, index):
     if is_messages(value):
         if not value or value[-1].get("role") != "assistant":
             role = value[-1].get("role") if value else None
-            raise ValueError(f"preference row {index}: {what}'s last message has role {role!r}; "
-                             "a message list must end with the assistant's response")
+            raise DataError(f"preference row {index}: {what}'s last message has role {role!r}; "
+                            "a message list must end with the assistant's response")
         return list(value[:-1]), value[-1].get("content")
-    raise ValueError(f"preference row {index}: {what} is a {type(value).__name__}; use a string "
-                     "or a list of {role, content} messages")
+    raise DataError(f"preference row {index}: {what} is a {type(value).__name__}; use a string "
+                    "or a list of {role, content} messages")
 
 
 def split_pair(row, index, prompt_key="prompt", chosen_key="chosen", rejected_key="rejected"):
     """(prompt: text or messages, chosen text, rejected text) of a row in any supported format."""
     for key, name in ((chosen_key, "chosen_key"), (rejected_key, "rejected_key")):
         if key not in row:
-            raise ValueError(f"preference row {index} has no column {key!r} (columns: "
-                             f"{sorted(row)}); set data.{name} to the column holding it")
+            raise DataError(f"preference row {index} has no column {key!r} (columns: "
+                            f"{sorted(row)}); set data.{name} to the column holding it")
     c_prefix, chosen = _response_of(row[chosen_key], "chosen", index)
     r_prefix, rejected = _response_of(row[rejected_key], "rejected", index)
     if c_prefix is not None and r_prefix is not None and c_prefix != r_prefix:
-        raise ValueError(f"preference row {index}: the chosen and rejected conversations differ "
-                         "before their last assistant turn; both must answer the same prompt")
+        raise DataError(f"preference row {index}: the chosen and rejected conversations differ "
+                        "before their last assistant turn; both must answer the same prompt")
     prefix = c_prefix if c_prefix else r_prefix
     if prefix:  # the conversation carries the whole prompt (multi-turn context included)
         return prefix, chosen, rejected
     if prompt_key not in row:
-        raise ValueError(f"preference row {index} has no column {prompt_key!r} and its responses "
-                         "carry no conversation; set data.prompt_key to the prompt column")
+        raise DataError(f"preference row {index} has no column {prompt_key!r} and its responses "
+                        "carry no conversation; set data.prompt_key to the prompt column")
     return row[prompt_key], chosen, rejected
 
 
@@ -120,8 +123,8 @@ def text_problem(prompt, chosen, rejected):
 def _number(row, key, index, fix):
     value = row.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"preference row {index}: column {key!r} is {value!r}, not a finite "
-                         f"number; {fix}")
+        raise DataError(f"preference row {index}: column {key!r} is {value!r}, not a finite "
+                        f"number; {fix}")
     return float(value)
 
 
@@ -132,17 +135,13 @@ class PreferenceDataset:
                  truncation="error", prompt_key="prompt", chosen_key="chosen",
                  rejected_key="rejected", margin_key=None, ref_columns=False,
                  apply_chat_template=True):
-        if truncation not in ("error", "filter", "left", "right"):
-            raise ValueError(f"data.truncation={truncation!r}; choose error, filter, left or right")
+        self.row_policy = RowPolicy(truncation, "preference row", DROP_COUNTERS)
         self.tokenizer = tokenizer
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.truncation = truncation
         self.keys = dict(prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key)
         self.margin_key, self.ref_columns = margin_key, ref_columns
         self.use_chat_template = (apply_chat_template
                                   and getattr(tokenizer, "chat_template", None) is not None)
-        self.filter_counts = {k: 0 for k in DROP_COUNTERS}
-        self.num_truncated = 0
         rows = data if isinstance(data, list) and (not data or isinstance(data[0], dict)) \
             else read_preference_rows(data)
         self.examples = [e for e in (self._example(i, r) for i, r in enumerate(rows)) if e]
@@ -154,15 +153,16 @@ class PreferenceDataset:
         return self.examples[i]
 
     @property
+    def filter_counts(self):
+        return self.row_policy.counts
+
+    @property
+    def num_truncated(self):
+        return self.row_policy.truncated
+
+    @property
     def metrics(self):
         return dict(self.filter_counts, **{"data/truncated_pairs": self.num_truncated})
-
-    def _bad(self, counter, index, message):
-        if self.truncation == "filter":
-            self.filter_counts[counter] += 1
-            return None
-        raise ValueError(f"preference row {index}: {message}; fix the data or set "
-                         "data.truncation='filter' to drop such rows")
 
     def _prompt_ids(self, prompt):
         if is_messages(prompt):
@@ -181,10 +181,10 @@ class PreferenceDataset:
         prompt, chosen, rejected = split_pair(row, index, **self.keys)
         problem = text_problem(prompt, chosen, rejected)
         if problem == "empty":
-            return self._bad("data/dropped_empty", index, "the prompt or a response is empty")
+            return self.row_policy.bad("data/dropped_empty", index, "the prompt or a response is empty")
         if problem == "identical":
-            return self._bad("data/dropped_identical", index,
-                             "chosen and rejected are the same response (no preference)")
+            return self.row_policy.bad("data/dropped_identical", index,
+                                       "chosen and rejected are the same response (no preference)")
         extra = {}
         if self.margin_key:
             extra["margin"] = _number(row, self.margin_key, index,
@@ -202,20 +202,17 @@ class PreferenceDataset:
                     f"{self.max_prompt_length}" if long_prompt else
                     f"a response has {max(len(c_ids), len(r_ids))} tokens (with eos) > "
                     f"data.max_response_length={self.max_response_length}")
-            if self.truncation in ("error", "filter"):
-                return self._bad("data/dropped_overlong", index,
-                                 f"{what}; raise the limit or set data.truncation to 'left', "
-                                 "'right' or 'filter'")
-            cut = self.max_prompt_length
-            p_ids = p_ids[-cut:] if self.truncation == "left" else p_ids[:cut]
+            if not self.row_policy.too_long("data/dropped_overlong", index, f"{what}; raise the limit or set "
+                                            "data.truncation to 'left', 'right' or 'filter'"):
+                return None
+            p_ids = self.row_policy.cut(p_ids, self.max_prompt_length)
             c_ids, r_ids = c_ids[:self.max_response_length], r_ids[:self.max_response_length]
-            self.num_truncated += 1
             if c_ids == r_ids:  # only the cut-off ends differed
-                return self._bad("data/dropped_identical", index, "chosen and rejected are "
-                                 "identical within data.max_response_length tokens")
+                return self.row_policy.bad("data/dropped_identical", index, "chosen and rejected are "
+                                           "identical within data.max_response_length tokens")
         if c_ids == r_ids:
-            return self._bad("data/dropped_identical", index,
-                             "chosen and rejected tokenize to the same response")
+            return self.row_policy.bad("data/dropped_identical", index,
+                                       "chosen and rejected tokenize to the same response")
         return dict(index=index, prompt_ids=p_ids, chosen_ids=c_ids, rejected_ids=r_ids, **extra)
 
 
@@ -314,7 +311,7 @@ def jsonl_pairs(path, prompt_key="prompt", chosen_key="chosen", rejected_key="re
                 problem = text_problem(*split_pair(row, line_no, prompt_key, chosen_key,
                                                    rejected_key))
             except ValueError as e:
-                raise ValueError(f"{path}:{line_no}: not a preference record ({e})") from None
+                raise DataError(f"{path}:{line_no}: not a preference record ({e})") from None
             if problem:
                 counts[f"data/dropped_{problem}"] += 1
             else:

@@ -9,14 +9,11 @@ Rows use the schema verl users already have:
 
 Prompts are tokenized once, up front, so that bad rows are found (and counted) before training:
 an empty prompt, a rule-reward row without ground truth, or a prompt longer than
-`max_prompt_length`. `truncation` decides what happens to them:
+`max_prompt_length`. `truncation` decides what happens to them, by the row policy every dataset
+follows (engine/data/rows.py: 'error' raises, 'filter' drops and counts in `filter_counts`,
+'left' / 'right' cut an over-long prompt).
 
-    'error'  raise, naming the row and the field (default: bad data should not pass silently)
-    'filter' drop the row and count it in `filter_counts`
-    'left'   keep the last max_prompt_length tokens of an over-long prompt (other bad rows raise)
-    'right'  keep the first max_prompt_length tokens of an over-long prompt (other bad rows raise)
-
-Tests: tests/test_data.py, tests/test_pad_token.py, tests/test_offline_ppo.py
+Tests: tests/test_data.py, tests/test_row_policy.py, tests/test_pad_token.py, tests/test_offline_ppo.py
 """
 import os
 from dataclasses import dataclass, field
@@ -25,9 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from engine.data.rows import RowPolicy
 from engine.errors import DataError
-
-TRUNCATION_POLICIES = ("error", "filter", "left", "right")
 
 
 def write_prompt_parquet(rows, path):
@@ -91,35 +87,45 @@ class PromptDataset:
 
     def __init__(self, data, tokenizer, max_prompt_length, truncation="error", prompt_key="prompt",
                  apply_chat_template=True):
-        if truncation not in TRUNCATION_POLICIES:
-            raise ValueError(f"data.truncation={truncation!r}; choose one of {list(TRUNCATION_POLICIES)}")
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
             raise ValueError(f"data.max_prompt_length={max_prompt_length!r} must be a positive integer")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
-        self.truncation = truncation
         self.prompt_key = prompt_key
         self.use_chat_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
-        self.filter_counts = {"data/filtered_empty_prompt": 0, "data/filtered_missing_ground_truth": 0,
-                              "data/filtered_overlong": 0}
-        self.num_truncated = 0
+        self.row_policy = RowPolicy(truncation, "prompt data row", ("data/filtered_empty_prompt",
+                                                                    "data/filtered_missing_ground_truth",
+                                                                    "data/filtered_overlong"))
         if _is_rows(data):
-            rows, self._where = data, ""
+            rows = data
         else:
             files = [data] if isinstance(data, (str, os.PathLike)) else list(data)
-            rows, self._where = read_prompt_rows(files), f" of {', '.join(repr(os.fspath(f)) for f in files)}"
+            rows = read_prompt_rows(files)
+            self.row_policy.where = f" of {', '.join(repr(os.fspath(f)) for f in files)}"
         self.examples = []
         for index, row in enumerate(rows):
             example = self._example(index, row)
             if example is not None:
                 self.examples.append(example)
 
-    def _bad_row(self, counter, index, message):
-        if self.truncation == "filter":
-            self.filter_counts[counter] += 1
-            return None
-        raise DataError(f"prompt data row {index}{self._where}: {message}; fix the data or set "
-                        "data.truncation='filter' to drop such rows")
+    @property
+    def truncation(self):
+        """data.truncation, as the row policy applies it."""
+        return self.row_policy.truncation
+
+    @property
+    def filter_counts(self):
+        """Rows dropped under truncation='filter', by reason."""
+        return self.row_policy.counts
+
+    @property
+    def num_truncated(self):
+        """Rows cut under truncation='left' / 'right'."""
+        return self.row_policy.truncated
+
+    @num_truncated.setter
+    def num_truncated(self, value):
+        self.row_policy.truncated = value
 
     def _prompt_text(self, prompt):
         if is_messages(prompt):
@@ -135,33 +141,26 @@ class PromptDataset:
 
     def _example(self, index, row):
         if self.prompt_key not in row:
-            raise DataError(f"prompt data row {index}{self._where} has no field {self.prompt_key!r} "
+            raise DataError(f"prompt data row {index}{self.row_policy.where} has no field {self.prompt_key!r} "
                             f"(fields: {sorted(row)}); set data.prompt_key to the prompt column")
         prompt = row[self.prompt_key]
         if is_empty(prompt):
-            return self._bad_row("data/filtered_empty_prompt", index, f"field {self.prompt_key!r} is empty")
+            return self.row_policy.bad("data/filtered_empty_prompt", index, f"field {self.prompt_key!r} is empty")
         reward_model = row.get("reward_model") or {}
         ground_truth = reward_model.get("ground_truth")
         needs_truth = reward_model.get("style", "rule") != "model"
         if needs_truth and (ground_truth is None or str(ground_truth).strip() == ""):
-            return self._bad_row("data/filtered_missing_ground_truth", index,
-                                 "field 'reward_model.ground_truth' is missing or empty")
+            return self.row_policy.bad("data/filtered_missing_ground_truth", index,
+                                       "field 'reward_model.ground_truth' is missing or empty")
         input_ids = self._tokenize(prompt)
         if len(input_ids) > self.max_prompt_length:
-            if self.truncation == "left":
-                input_ids = input_ids[-self.max_prompt_length:]
-                self.num_truncated += 1
-            elif self.truncation == "right":
-                input_ids = input_ids[:self.max_prompt_length]
-                self.num_truncated += 1
-            elif self.truncation == "filter":
-                self.filter_counts["data/filtered_overlong"] += 1
+            if not self.row_policy.too_long("data/filtered_overlong", index,
+                                            f"field {self.prompt_key!r} has {len(input_ids)} tokens > "
+                                            f"data.max_prompt_length={self.max_prompt_length}",
+                                            "raise max_prompt_length or set data.truncation to 'left', 'right' or "
+                                            "'filter'"):
                 return None
-            else:
-                raise DataError(f"prompt data row {index}{self._where}: field {self.prompt_key!r} has "
-                                f"{len(input_ids)} tokens > data.max_prompt_length={self.max_prompt_length}; "
-                                "raise max_prompt_length or set data.truncation to 'left', 'right' or "
-                                "'filter'")
+            input_ids = self.row_policy.cut(input_ids, self.max_prompt_length)
         return {
             "index": index,
             "input_ids": input_ids,

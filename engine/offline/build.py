@@ -5,7 +5,7 @@ The trained model is `actor_rollout_ref.model` with the actor's optim / megatron
 keys (micro-batch sizes count pairs); a reward model gets the scalar head (a sequence-
 classification checkpoint's `score.weight` when the path has one, else a fresh head).
 """
-from engine.data import pad_token_id
+from engine.data import pad_token_id, truncation_of
 from engine.data.preference import PreferenceDataset, arith_pairs
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
@@ -15,7 +15,7 @@ def load_pair_datasets(cfg, tokenizer):
     d, task = cfg.data, cfg.trainer.task
     kw = dict(tokenizer=tokenizer, max_prompt_length=d.max_prompt_length,
               max_response_length=d.max_response_length,
-              truncation="filter" if d.filter_overlong_prompts else d.truncation,
+              truncation=truncation_of(d),
               prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
               margin_key=d.margin_key if task == "reward_model" else None,
               ref_columns=task == "dpo" and cfg.algorithm.dpo.precomputed_ref_log_probs,
