@@ -11,12 +11,45 @@ object arrays of the same length. `meta` is a plain dict carried along (shallow-
 every operation. Operations return new Batches and never modify their input (sliced tensors
 may be views of the input's, as with torch.split).
 
-Tests: tests/test_batch.py, tests/test_ppo_update.py
+`Split` says how a rank cuts its rows into micro-batches (a count, or a token budget); a model's
+config section gives its update split (`update_split`) and a forward-only pass's
+(`forward_split`). engine/config/batches.py plans a run's splits with them; a worker without a
+plan (tests, the offline trainers) takes its own section's.
+
+Tests: tests/test_batch.py, tests/test_ppo_update.py, tests/test_config.py
 """
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 import torch
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "Split", "update_split", "forward_split"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a rank cuts its rows into micro-batches: a sequence count, or a token budget
+    (dynamic batching)."""
+    micro_batch_size: Optional[int] = None
+    max_tokens: Optional[int] = None
+
+    def kwargs(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens}
+
+
+def update_split(section) -> Split:
+    """The update's micro-batches of an actor / critic config section (ppo_* keys)."""
+    if section.use_dynamic_bsz:
+        return Split(max_tokens=section.ppo_max_token_len_per_gpu)
+    return Split(micro_batch_size=section.ppo_micro_batch_size_per_gpu)
+
+
+def forward_split(section) -> Split:
+    """A forward-only pass's micro-batches (a rollout / ref section's log_prob_* keys, resolved)."""
+    if section.log_prob_use_dynamic_bsz:
+        return Split(max_tokens=section.log_prob_max_token_len_per_gpu)
+    return Split(micro_batch_size=section.log_prob_micro_batch_size_per_gpu)
 
 
 def _as_object_array(key, values):

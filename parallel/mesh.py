@@ -2,7 +2,16 @@
 
 The layout is given as plain sizes (the engine maps its config onto `Layout`); this module
 knows nothing about PPO. On a machine without CUDA it uses gloo and enables `parallel.cpu`.
+
+The layout rules live here and only here (`Layout.check`): which sizes tile a world, and which
+fit a model's shape (Megatron's rules). A broken rule is a `LayoutError` naming the size, its
+value and the fix, written with the caller's names for the sizes (the recipe's keys, a tool's
+flags); engine/config/layout_check.py turns it into the recipe's one-line message.
+
+Tests: tests/test_mesh_layout.py, tests/test_config.py, tests/test_convert_checkpoint.py,
+tests/test_multirank.py
 """
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,19 +52,89 @@ class Layout:
         """world / (PP x EP x expert TP)"""
         return self._world() // (self.pp * self.ep * self.expert_tp)
 
-    def check(self, world_size):
-        """One clear error for a layout that cannot tile `world_size` ranks."""
-        model = self.tp * self.pp * self.cp
-        if world_size % model:
-            raise ValueError(f"layout tp={self.tp} x pp={self.pp} x cp={self.cp} = {model} does not "
-                             f"divide the world size {world_size}; choose sizes whose product divides it")
-        if (world_size // self.pp) % (self.ep * self.expert_tp):
-            raise ValueError(f"expert layout ep={self.ep} x etp={self.expert_tp} does not divide the "
-                             f"{world_size // self.pp} ranks of a pipeline stage; lower ep or etp")
-        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
-            raise ValueError(f"virtual pipeline size {self.vpp} needs pp > 1 (pp={self.pp}); unset vpp")
-        if self.sequence_parallel and self.tp < 2:
-            raise ValueError("sequence_parallel=True needs tp > 1; set sequence_parallel=False")
+    def check(self, world_size: Optional[int] = None, *, num_layers: Optional[int] = None,
+              num_experts: Optional[int] = None, num_attention_heads: Optional[int] = None,
+              num_query_groups: Optional[int] = None, names: Optional[dict] = None) -> None:
+        """Raise LayoutError for the first rule `world_size` ranks (default: self.world_size)
+        and the model's shape, where known, break. num_experts: None = unknown, 0 = dense.
+        `names`: how the caller calls the sizes (SIZE_NAMES' keys), for the messages."""
+        n = dict(SIZE_NAMES, **(names or {}))
+        world = self.world_size if world_size is None else world_size
+
+        def fail(size, value, fix):
+            raise LayoutError(size, value, fix, n)
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            fail("world_size", world, "must be a positive int (the number of ranks)")
+        tp, pp, cp, ep, etp, vpp = self.tp, self.pp, self.cp, self.ep, self.expert_tp, self.vpp
+        # TP x PP x CP must divide the world: each size against what the previous ones leave
+        left, used = world, []
+        for size, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+            if left % value:
+                given = "".join(f" with {n[k]}={v}" for k, v in used)
+                room = f" ({left} ranks left for it)" if used else ""
+                fail(size, value, f"does not divide world size {world}{given}{room}; use {divisor_choices(left)}")
+            left //= value
+            used.append((size, value))
+        # Megatron's expert grid (expert-DP x EP x ETP) covers the TP x CP x DP ranks of a PP stage
+        stage = world // pp
+        if stage % etp:
+            fail("etp", etp, f"does not divide world size {world} / {n['pp']} {pp} = {stage} ranks per "
+                 f"stage; use {divisor_choices(stage)}")
+        if stage % (ep * etp):
+            fail("ep", ep, f"{n['ep']} x {n['etp']} = {ep} x {etp} must divide world size {world} / "
+                 f"{n['pp']} {pp} = {stage}; use {n['ep']} {divisor_choices(stage // etp)}")
+        if vpp is not None:
+            if pp < 2:
+                fail("vpp", vpp, f"interleaving needs {n['pp']} > 1; set it to null or raise PP")
+            if num_layers is not None and num_layers % (pp * vpp):
+                fail("vpp", vpp, f"the model's {num_layers} layers do not split into {n['pp']} {pp} x "
+                     f"{vpp} chunks; choose PP x VPP dividing {num_layers}")
+        # TP divides the attention heads; the key/value groups are a multiple or a divisor of TP
+        if num_attention_heads is not None and num_attention_heads % tp:
+            fail("tp", tp, f"must divide the model's {num_attention_heads} attention heads (each "
+                 f"tensor-parallel rank holds whole heads); use "
+                 f"{divisor_choices(math.gcd(num_attention_heads, world))}")
+        if num_query_groups is not None and num_query_groups % tp and tp % num_query_groups:
+            fail("tp", tp, f"must be a multiple or a divisor of the model's {num_query_groups} key/value "
+                 f"heads; use {divisor_choices(math.gcd(num_query_groups, world))}")
+        if num_layers is not None and num_layers % pp:
+            fail("pp", pp, f"the model's {num_layers} layers do not split evenly over {pp} stages; use a "
+                 f"divisor of {num_layers} that divides world size {world}")
+        if num_experts is not None:
+            if num_experts == 0 and ep > 1:
+                fail("ep", ep, "the model is dense (no experts); set it to 1")
+            if num_experts > 0 and num_experts % ep:
+                fail("ep", ep, f"must divide the model's {num_experts} experts; use a divisor of {num_experts}")
+        if self.sequence_parallel and tp < 2:
+            fail("sequence_parallel", True, f"needs {n['tp']} > 1 (it is {tp}); set "
+                 f"{n['sequence_parallel']}=false or raise TP")
+        if num_experts and tp > 1 and not self.sequence_parallel:
+            fail("sequence_parallel", self.sequence_parallel, f"an MoE model ({num_experts} experts) with "
+                 f"{n['tp']}={tp} needs sequence parallelism in Megatron; set {n['sequence_parallel']}=true")
+
+
+# The sizes' names in LayoutError messages unless the caller passes its own (Layout.check's names).
+SIZE_NAMES = {"world_size": "world_size", "tp": "tp", "pp": "pp", "vpp": "vpp", "cp": "cp", "ep": "ep",
+              "etp": "etp", "sequence_parallel": "sequence_parallel"}
+
+
+class LayoutError(ValueError):
+    """A layout rule broken: `size` (a SIZE_NAMES key) has `value`; `fix` says what to do,
+    in the caller's names. str(): '<name>=<value>: <fix>'."""
+
+    def __init__(self, size: str, value, fix: str, names: Optional[dict] = None):
+        self.size, self.value, self.fix = size, value, fix
+        super().__init__(f"{dict(SIZE_NAMES, **(names or {}))[size]}={value!r}: {fix}")
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def divisor_choices(n: int) -> str:
+    """The divisors of n as a choice: '1', '1 or 2', '1, 2 or 4'."""
+    ds = [str(d) for d in divisors(n)]
+    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
 
 
 def device_type():

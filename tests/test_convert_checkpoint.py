@@ -225,7 +225,7 @@ def test_cli_checks_arguments_before_reading_weights(qwen2_dir, tmp_path, capsys
     save_random_model(tiny_config("qwen3_moe", num_hidden_layers=1), moe)
     rc, out, err = _main(capsys, "hf-to-mcore", "--hf", moe, "--out", str(tmp_path / "o"),
                          "--tp", "2", "--ep", "2", "--etp", "2", "--nproc", "2")
-    assert rc == 2 and "expert layout ep=2 x etp=2 does not divide the 2 ranks" in err
+    assert rc == 2 and "ep x etp = 2 x 2 must divide world size 2" in err  # parallel.mesh.Layout.check
     rc, _, err = _main(capsys, "gguf-to-hf", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "g"))
     assert rc == 2 and "--gguf" in err and "is not a file" in err
     assert sorted(os.listdir(tmp_path)) == ["file", "moe"]  # nothing written

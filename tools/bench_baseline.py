@@ -4,7 +4,7 @@ Per step and per rank (its share of the prompts, 1 thread, no gradient sync — 
 the baseline): `model.generate` with a KV cache, the old log-probs and the reference log-probs
 (full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
 Trident's step is on-policy and takes the old log-probs from the update's forward
-(`actor.on_policy_old_log_prob`), the baseline does the same, so both do the same work.
+(`Derived.step.reuse_old_log_prob`), the baseline does the same, so both do the same work.
 
 Tests: tests/test_benchmark_json.py (runs `step` without --baseline: nothing runs this loop yet)
 """
@@ -40,8 +40,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     n, width = arr.rollout.n, arr.rollout.response_length
     mini = d.actor.mini_batch_size_per_rank
     micro = arr.actor.ppo_micro_batch_size_per_gpu
-    on_policy = (arr.actor.on_policy_old_log_prob and d.actor.ppo_epochs == 1
-                 and d.actor.mini_batches_per_epoch == 1 and not cfg.algorithm.use_kl_in_reward)
+    on_policy = d.step.reuse_old_log_prob  # decided once, as the trainer's (engine/config/steps.py)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()

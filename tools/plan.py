@@ -31,7 +31,6 @@ if ROOT not in sys.path:
 from engine.config import ConfigError, apply_override, derive, load_config  # noqa: E402
 from engine.config.phases import PHASES, ROLLOUT_PHASES, RUNS  # noqa: E402
 from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
-from kernels.kl import FULL_KL_KINDS  # noqa: E402
 from tools.plan_memory import (DTYPE_BYTES, Shape, full_kl_bytes, model_memory,  # noqa: E402
                                shape_of, total_params)
 
@@ -115,8 +114,7 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
         models["reward_model"] = model_memory(rshape, c.reward_model.megatron, lay, head="value",
                                               tokens=log_prob_tokens, n_micro=1, train=False, device=device)
     host = {}
-    in_loss = arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS
-    in_reward = c.algorithm.use_kl_in_reward and c.algorithm.kl_penalty in FULL_KL_KINDS
+    in_loss, in_reward = d.step.full_kl_in_loss, d.step.full_kl_in_reward  # the exact KL (KL_KINDS' metadata)
     if in_loss or in_reward:
         pbytes = DTYPE_BYTES[arr.actor.megatron.params_dtype] if device == "cuda" else 4
         host["ref_hidden"], extra = full_kl_bytes(shape, c, lay, math.ceil(tokens["actor"] / lay.cp),
@@ -186,7 +184,7 @@ def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: s
     the model's weights split over the engine's R GPUs, and SGLang's KV pool in the rest of its
     share (`rollout_share`: gpu_memory_utilization x what was free when the engine started; SGLang
     gives the pool what is free after the weights less the rest of that memory)."""
-    from engine.config.layout_check import rollout_topology_of
+    from engine.config.devices import rollout_topology_of
 
     topo = rollout_topology_of(cfg, world_size, num_attention_heads=s.a)
     r = cfg.actor_rollout_ref.rollout

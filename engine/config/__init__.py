@@ -19,6 +19,11 @@ Keys follow verl's names. A few keys are `null` = "auto" and are filled in by `d
   trainer.default_local_dir / log_dir, trainer.device='auto', rollout.name='auto'
 
 Every problem raises `ConfigError` (a ValueError) naming the dotted key, the value and the fix.
+
+derive() is engine/config/derive.py with its four jobs beside it (devices.py, inherit.py,
+steps.py, batches.py); `Derived.step` holds what every PPO step does (engine/config/steps.py).
+
+Tests: tests/test_config.py, tests/test_config_keys.py, tests/test_derive_parts.py, tests/test_mesh_layout.py
 """
 from engine.config.schema import *  # noqa: F401,F403  (the dataclasses and allowed values)
 from engine.config.schema import ConfigError, TridentConfig  # noqa: F401
@@ -26,4 +31,5 @@ from engine.config.load import (all_keys, apply_override, from_dict, load_config
                                 to_yaml)
 from engine.config.layout_check import validate_layout  # noqa: F401
 from engine.config.validate import validate  # noqa: F401
-from engine.config.derive import BatchPlan, Derived, Layout, derive, total_training_steps  # noqa: F401
+from engine.config.derive import (BatchPlan, Derived, Layout, StepFlags, derive,  # noqa: F401
+                                  total_training_steps)

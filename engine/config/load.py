@@ -1,4 +1,7 @@
-"""Loading: YAML (1.2 floats) and dotted `key=value` overrides onto the typed schema."""
+"""Loading: YAML (1.2 floats) and dotted `key=value` overrides onto the typed schema.
+
+Tests: tests/test_config.py, tests/test_config_keys.py, tests/test_config_paths.py
+"""
 from __future__ import annotations
 
 import ast
@@ -15,7 +18,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from engine.config.schema import ALIASES, MOVED_KEYS, ConfigError, TridentConfig, _join
+from engine.config.schema import ALIASES, MOVED_KEYS, ConfigError, TridentConfig, join_key
 from engine.config.validate import validate
 
 log = logging.getLogger(__name__)
@@ -143,7 +146,7 @@ def _merge(obj: Any, data: Any, prefix: str, root: Any = None) -> None:
         raise ConfigError(f"{prefix or 'the config'}={data!r}: expected a mapping of "
                           f"{type(obj).__name__} keys")
     for name, value in data.items():
-        key = _join(prefix, str(name))
+        key = join_key(prefix, str(name))
         if key in ALIASES:
             _set_path(root, _alias(key).split("."), value, "")
             continue
@@ -157,7 +160,7 @@ def _merge(obj: Any, data: Any, prefix: str, root: Any = None) -> None:
 def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, root: Any = None) -> None:
     root = obj if root is None else root
     name, rest = parts[0], parts[1:]
-    key = _join(prefix, name)
+    key = join_key(prefix, name)
     if not prefix and ".".join(parts) in ALIASES:
         parts = _alias(".".join(parts)).split(".")
         name, rest, key = parts[0], parts[1:], parts[0]
@@ -180,7 +183,7 @@ def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, root: Any = N
         setattr(obj, name, new)
     else:
         raise ConfigError(f"{key} is a {_describe(tp)}, not a section: cannot set "
-                          f"{_join(key, '.'.join(rest))}; set {key}=VALUE")
+                          f"{join_key(key, '.'.join(rest))}; set {key}=VALUE")
 
 
 @functools.cache
@@ -202,7 +205,7 @@ def all_keys() -> tuple[str, ...]:
 
     def walk(cls, prefix):
         for name, tp in field_types(cls).items():
-            key = _join(prefix, name)
+            key = join_key(prefix, name)
             out.append(key)
             if dataclasses.is_dataclass(tp):
                 walk(tp, key)
@@ -217,7 +220,7 @@ def _unknown_key_message(key: str, cls: type) -> str:
     siblings = list(field_types(cls))
     close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
     if close:
-        return f"unknown config key {key!r}; did you mean {_join(parent, close[0])!r}?"
+        return f"unknown config key {key!r}; did you mean {join_key(parent, close[0])!r}?"
     elsewhere = [k for k in all_keys() if k.rpartition(".")[2] == leaf]  # right name, wrong section
     if elsewhere:
         return f"unknown config key {key!r}; did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?"

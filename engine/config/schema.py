@@ -1,4 +1,7 @@
-"""The recipe schema: typed dataclasses with verl's key names, and the allowed values."""
+"""The recipe schema: typed dataclasses with verl's key names, and the allowed values.
+
+Tests: tests/test_config_keys.py, tests/test_config.py, tests/test_config_paths.py
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +17,7 @@ from engine.tasks import BuiltinTask
 from kernels.kl import KL_KINDS
 
 
-def _join(prefix: str, name: str) -> str:
+def join_key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 

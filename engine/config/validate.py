@@ -1,10 +1,13 @@
-"""Validation: one ConfigError naming the key, the value and the fix, per mistake."""
+"""Validation: one ConfigError naming the key, the value and the fix, per mistake.
+
+Tests: tests/test_config.py, tests/test_config_keys.py, tests/test_offline_config.py
+"""
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from engine.config.checks import _check, _divisors, _fail
+from engine.config.checks import check_range, divisors, fail
 from engine.rollout.registry import rollout_backend
 
 from engine.config.schema import (CRITIC_ESTIMATORS, GROUP_ESTIMATORS, LAYOUT_KEYS, ConfigError, DataConfig,
@@ -22,17 +25,17 @@ def validate(cfg: TridentConfig) -> None:
     _validate_task(cfg)  # first: an offline task refuses PPO-only sections before they are checked
     arr = cfg.actor_rollout_ref
     if arr.actor.megatron.params_dtype is None:
-        _fail("actor_rollout_ref.actor.megatron.params_dtype", None,
-              "the actor's parameter dtype must be set: float32, bfloat16 or float16")
+        fail("actor_rollout_ref.actor.megatron.params_dtype", None,
+             "the actor's parameter dtype must be set: float32, bfloat16 or float16")
     if not arr.hybrid_engine:
-        _fail("actor_rollout_ref.hybrid_engine", False,
-              "only the colocated hybrid engine is implemented; set it to true")
+        fail("actor_rollout_ref.hybrid_engine", False,
+             "only the colocated hybrid engine is implemented; set it to true")
     _validate_model(arr.model, "actor_rollout_ref.model", cfg.data, required=True)
     _validate_actor(cfg)
     _validate_rollout(cfg)
     ref = arr.ref
-    _check(ref, "actor_rollout_ref.ref", "log_prob_micro_batch_size_per_gpu", ge=1, optional=True)
-    _check(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
+    check_range(ref, "actor_rollout_ref.ref", "log_prob_micro_batch_size_per_gpu", ge=1, optional=True)
+    check_range(ref, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu", ge=1, optional=True)
     _validate_frozen(ref.megatron, "actor_rollout_ref.ref.megatron")  # first: its keys before their ranges
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
@@ -47,46 +50,46 @@ def validate(cfg: TridentConfig) -> None:
 def _validate_data(data: DataConfig) -> None:
     p = "data"
     for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
-        _check(data, p, name, ge=1)
-    _check(data, p, "val_batch_size", ge=1, optional=True)
-    _check(data, p, "dataloader_num_workers", ge=0)
-    _check(data, p, "builtin_task_difficulty", ge=0, le=2)
+        check_range(data, p, name, ge=1)
+    check_range(data, p, "val_batch_size", ge=1, optional=True)
+    check_range(data, p, "dataloader_num_workers", ge=0)
+    check_range(data, p, "builtin_task_difficulty", ge=0, le=2)
     if not data.prompt_key:
-        _fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
+        fail("data.prompt_key", data.prompt_key, "set the parquet column holding the prompt, e.g. 'prompt'")
     if not data.train_files and data.builtin_task is None and data.offline_path is None:
-        _fail("data.train_files", data.train_files,
-              "no training data: set data.train_files to parquet file(s), data.builtin_task (e.g. 'arith') "
-              "or data.offline_path (logged responses)")
+        fail("data.train_files", data.train_files,
+             "no training data: set data.train_files to parquet file(s), data.builtin_task (e.g. 'arith') "
+             "or data.offline_path (logged responses)")
     if data.train_files and data.builtin_task is not None:
-        _fail("data.builtin_task", data.builtin_task,
-              f"data.train_files={data.train_files!r} is also set; use one source: set builtin_task=null "
-              f"or train_files=[]")
+        fail("data.builtin_task", data.builtin_task,
+             f"data.train_files={data.train_files!r} is also set; use one source: set builtin_task=null "
+             f"or train_files=[]")
 
 
 def _validate_model(model: ModelConfig, prefix: str, data: DataConfig, required: bool) -> None:
     if model.path is not None and model.config is not None:
-        _fail(f"{prefix}.config", "{...}", f"{prefix}.path={model.path!r} is also set; model.config builds a "
-              f"random model, so set only one (use {prefix}.override_config to change a pretrained config)")
+        fail(f"{prefix}.config", "{...}", f"{prefix}.path={model.path!r} is also set; model.config builds a "
+             f"random model, so set only one (use {prefix}.override_config to change a pretrained config)")
     if required and model.path is None and model.config is None:
-        _fail(f"{prefix}.path", None, "set it to a HF model directory, or set model.config to an inline "
-              "HF config dict to build a random model")
+        fail(f"{prefix}.path", None, "set it to a HF model directory, or set model.config to an inline "
+             "HF config dict to build a random model")
     if (required and model.config is not None and model.tokenizer_path is None
             and data.builtin_task is None):
-        _fail(f"{prefix}.tokenizer_path", None, "a model built from model.config has no tokenizer: set "
-              "tokenizer_path or data.builtin_task")
+        fail(f"{prefix}.tokenizer_path", None, "a model built from model.config has no tokenizer: set "
+             "tokenizer_path or data.builtin_task")
 
 
 def _validate_optim(optim: OptimConfig, prefix: str) -> None:
-    _check(optim, prefix, "lr", ge=0.0)
-    _check(optim, prefix, "min_lr", ge=0.0, le=optim.lr)
-    _check(optim, prefix, "lr_warmup_steps", ge=0, allow=(-1,))
-    _check(optim, prefix, "lr_warmup_steps_ratio", ge=0.0, le=1.0)
-    _check(optim, prefix, "weight_decay", ge=0.0)
-    _check(optim, prefix, "eps", gt=0.0)
-    _check(optim, prefix, "clip_grad", gt=0.0)
-    _check(optim, prefix, "total_training_steps", ge=1, optional=True)
+    check_range(optim, prefix, "lr", ge=0.0)
+    check_range(optim, prefix, "min_lr", ge=0.0, le=optim.lr)
+    check_range(optim, prefix, "lr_warmup_steps", ge=0, allow=(-1,))
+    check_range(optim, prefix, "lr_warmup_steps_ratio", ge=0.0, le=1.0)
+    check_range(optim, prefix, "weight_decay", ge=0.0)
+    check_range(optim, prefix, "eps", gt=0.0)
+    check_range(optim, prefix, "clip_grad", gt=0.0)
+    check_range(optim, prefix, "total_training_steps", ge=1, optional=True)
     if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
-        _fail(f"{prefix}.betas", optim.betas, "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+        fail(f"{prefix}.betas", optim.betas, "must be two numbers in [0, 1), e.g. [0.9, 0.999]")
 
 
 def _validate_megatron(m: MegatronConfig, prefix: str, is_actor: bool) -> None:
@@ -95,23 +98,23 @@ def _validate_megatron(m: MegatronConfig, prefix: str, is_actor: bool) -> None:
         nullable = (not is_actor or name in ("virtual_pipeline_model_parallel_size",
                                              "expert_tensor_parallel_size"))
         if value is None and not nullable:
-            _fail(f"{prefix}.{name}", None, "the actor defines the parallel layout; set it "
-                  f"(e.g. {False if name == 'sequence_parallel' else 1})")
+            fail(f"{prefix}.{name}", None, "the actor defines the parallel layout; set it "
+                 f"(e.g. {False if name == 'sequence_parallel' else 1})")
         if name != "sequence_parallel":
-            _check(m, prefix, name, ge=1, optional=True)
-    _check(m, prefix, "recompute_num_layers", ge=1, optional=True)
+            check_range(m, prefix, name, ge=1, optional=True)
+    check_range(m, prefix, "recompute_num_layers", ge=1, optional=True)
     if m.tp_comm_overlap:
-        _fail(f"{prefix}.tp_comm_overlap", True, "needs TransformerEngine userbuffers, which Trident does not "
-              "initialise; set it to false (overlap_grad_reduce / overlap_param_gather overlap DP communication)")
+        fail(f"{prefix}.tp_comm_overlap", True, "needs TransformerEngine userbuffers, which Trident does not "
+             "initialise; set it to false (overlap_grad_reduce / overlap_param_gather overlap DP communication)")
     if not is_actor and m.seed != MegatronConfig().seed:
-        _fail(f"{prefix}.seed", m.seed, "one process seeds every model it builds (a random init draws "
-              "after the actor's); set actor_rollout_ref.actor.megatron.seed instead and remove this")
+        fail(f"{prefix}.seed", m.seed, "one process seeds every model it builds (a random init draws "
+             "after the actor's); set actor_rollout_ref.actor.megatron.seed instead and remove this")
     if m.recompute_granularity == "full" and m.recompute_method is None:
-        _fail(f"{prefix}.recompute_method", None, "recompute_granularity='full' needs a method: set "
-              "'uniform' or 'block' (and recompute_num_layers)")
+        fail(f"{prefix}.recompute_method", None, "recompute_granularity='full' needs a method: set "
+             "'uniform' or 'block' (and recompute_num_layers)")
     if m.recompute_granularity != "full" and m.recompute_method is not None:
-        _fail(f"{prefix}.recompute_method", m.recompute_method,
-              f"only used with recompute_granularity='full' (it is {m.recompute_granularity!r}); set it to null")
+        fail(f"{prefix}.recompute_method", m.recompute_method,
+             f"only used with recompute_granularity='full' (it is {m.recompute_granularity!r}); set it to null")
 
 
 # Keys of a trained model that a frozen one (reference, reward model) has nothing to act on:
@@ -129,54 +132,54 @@ def _validate_frozen(m: MegatronConfig, prefix: str) -> None:
     default = MegatronConfig()
     for name, why in FROZEN_REFUSED.items():
         if getattr(m, name) != getattr(default, name):
-            _fail(f"{prefix}.{name}", getattr(m, name), f"the model is frozen and {why}; remove it "
-                  f"(param_offload is what a frozen model offloads)")
+            fail(f"{prefix}.{name}", getattr(m, name), f"the model is frozen and {why}; remove it "
+                 f"(param_offload is what a frozen model offloads)")
 
 
 def _validate_actor(cfg: TridentConfig) -> None:
     actor, p = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
     _validate_ppo_batching(actor, p, cfg, micro_required=True)
-    _check(actor, p, "ppo_epochs", ge=1)
-    _check(actor, p, "clip_ratio", gt=0.0)
-    _check(actor, p, "clip_ratio_low", gt=0.0, optional=True)
-    _check(actor, p, "clip_ratio_high", gt=0.0, optional=True)
-    _check(actor, p, "clip_ratio_c", gt=1.0)
-    _check(actor, p, "entropy_coeff")
-    _check(actor, p, "kl_loss_coef", ge=0.0)
+    check_range(actor, p, "ppo_epochs", ge=1)
+    check_range(actor, p, "clip_ratio", gt=0.0)
+    check_range(actor, p, "clip_ratio_low", gt=0.0, optional=True)
+    check_range(actor, p, "clip_ratio_high", gt=0.0, optional=True)
+    check_range(actor, p, "clip_ratio_c", gt=1.0)
+    check_range(actor, p, "entropy_coeff")
+    check_range(actor, p, "kl_loss_coef", ge=0.0)
     _validate_optim(actor.optim, f"{p}.optim")
     _validate_megatron(actor.megatron, f"{p}.megatron", is_actor=True)
     if "model" not in actor.checkpoint.save_contents:
-        _fail(f"{p}.checkpoint.save_contents", actor.checkpoint.save_contents,
-              "a checkpoint always holds the model; list 'model' (plus 'optimizer' and 'extra' to resume exactly)")
+        fail(f"{p}.checkpoint.save_contents", actor.checkpoint.save_contents,
+             "a checkpoint always holds the model; list 'model' (plus 'optimizer' and 'extra' to resume exactly)")
 
 
 def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_required: bool) -> None:
     """Mini-batch counts prompts (verl); micro-batch counts sequences per rank."""
-    _check(section, p, "ppo_mini_batch_size", ge=1, optional=True)
-    _check(section, p, "ppo_micro_batch_size_per_gpu", ge=1, optional=True)
-    _check(section, p, "ppo_max_token_len_per_gpu", ge=1)
+    check_range(section, p, "ppo_mini_batch_size", ge=1, optional=True)
+    check_range(section, p, "ppo_micro_batch_size_per_gpu", ge=1, optional=True)
+    check_range(section, p, "ppo_max_token_len_per_gpu", ge=1)
     mini, batch = section.ppo_mini_batch_size, cfg.data.train_batch_size
     if mini is not None and batch % mini:
-        options = ", ".join(str(d) for d in _divisors(batch)[-6:])
-        _fail(f"{p}.ppo_mini_batch_size", mini,
-              f"must divide data.train_batch_size={batch} (both count prompts, so mini x rollout.n "
-              f"divides train_batch_size x rollout.n); use one of {options}")
+        options = ", ".join(str(d) for d in divisors(batch)[-6:])
+        fail(f"{p}.ppo_mini_batch_size", mini,
+             f"must divide data.train_batch_size={batch} (both count prompts, so mini x rollout.n "
+             f"divides train_batch_size x rollout.n); use one of {options}")
     if section.use_dynamic_bsz:
         need = cfg.data.max_prompt_length + cfg.data.max_response_length
         if section.ppo_max_token_len_per_gpu < need:
-            _fail(f"{p}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu,
-                  f"must fit one full sequence (data.max_prompt_length + max_response_length = {need}); "
-                  f"set it to at least {need}")
+            fail(f"{p}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu,
+                 f"must fit one full sequence (data.max_prompt_length + max_response_length = {need}); "
+                 f"set it to at least {need}")
     elif section.ppo_micro_batch_size_per_gpu is None and micro_required:
-        _fail(f"{p}.ppo_micro_batch_size_per_gpu", None,
-              f"set the per-rank micro-batch (sequences), or set {p}.use_dynamic_bsz=true")
+        fail(f"{p}.ppo_micro_batch_size_per_gpu", None,
+             f"set the per-rank micro-batch (sequences), or set {p}.use_dynamic_bsz=true")
 
 
 def _validate_sampling(s: Any, p: str) -> None:
-    _check(s, p, "temperature", ge=0.0)
-    _check(s, p, "top_p", gt=0.0, le=1.0)
-    _check(s, p, "top_k", ge=1, allow=(-1,))
-    _check(s, p, "n", ge=1)
+    check_range(s, p, "temperature", ge=0.0)
+    check_range(s, p, "top_p", gt=0.0, le=1.0)
+    check_range(s, p, "top_k", ge=1, allow=(-1,))
+    check_range(s, p, "n", ge=1)
 
 
 def _validate_rollout(cfg: TridentConfig) -> None:
@@ -185,35 +188,35 @@ def _validate_rollout(cfg: TridentConfig) -> None:
     _validate_sampling(r.val_kwargs, f"{p}.val_kwargs")
     for name in ("prompt_length", "response_length", "log_prob_micro_batch_size_per_gpu",
                  "log_prob_max_token_len_per_gpu"):
-        _check(r, p, name, ge=1, optional=True)
+        check_range(r, p, name, ge=1, optional=True)
     for name in ("tensor_model_parallel_size", "max_num_batched_tokens", "max_num_seqs",
                  "update_weights_bucket_megabytes"):
-        _check(r, p, name, ge=1)
-    _check(r, p, "gpu_memory_utilization", gt=0.0, le=1.0)
+        check_range(r, p, name, ge=1)
+    check_range(r, p, "gpu_memory_utilization", gt=0.0, le=1.0)
     for i, token in enumerate(r.stop_token_ids):
         if token < 0:
-            _fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
+            fail(f"{p}.stop_token_ids[{i}]", token, "token ids are >= 0")
     try:  # a backend trainer.device cannot run (engine/rollout/registry.py decides)
         rollout_backend(r.name, cfg.trainer.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if r.deterministic and r.name == "hf":
-        _fail(f"{p}.deterministic", True, "the transformers rollout has no batch-invariant GPU kernels; "
-              "use rollout.name=sglang (enable_deterministic_inference) or deterministic=false")
+        fail(f"{p}.deterministic", True, "the transformers rollout has no batch-invariant GPU kernels; "
+             "use rollout.name=sglang (enable_deterministic_inference) or deterministic=false")
 
 
 def _validate_critic(cfg: TridentConfig) -> None:
     c, p = cfg.critic, "critic"
     if c.enable is False and cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS:
-        _fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
-              "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
+        fail("critic.enable", False, f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs a critic; "
+             "set critic.enable=true (or null), or pick an estimator without a critic such as 'grpo'")
     _validate_model(c.model, "critic.model", cfg.data, required=False)
     if not c.model.use_fused_kernels:
-        _fail("critic.model.use_fused_kernels", False, "the critic computes values, no log-probs, so there is no "
-              "fused kernel to turn off; remove it")
+        fail("critic.model.use_fused_kernels", False, "the critic computes values, no log-probs, so there is no "
+             "fused kernel to turn off; remove it")
     _validate_ppo_batching(c, p, cfg, micro_required=False)  # null: the actor's
-    _check(c, p, "ppo_epochs", ge=1, optional=True)
-    _check(c, p, "cliprange_value", gt=0.0)
+    check_range(c, p, "ppo_epochs", ge=1, optional=True)
+    check_range(c, p, "cliprange_value", gt=0.0)
     _validate_optim(c.optim, f"{p}.optim")
     _validate_megatron(c.megatron, f"{p}.megatron", is_actor=False)
 
@@ -222,90 +225,90 @@ def _validate_lora(cfg: TridentConfig) -> None:
     """LoRA is the actor's (its reference is the base with adapters off: no second model)."""
     from engine.models.lora import resolve_targets
     arr, p = cfg.actor_rollout_ref, "actor_rollout_ref.model"
-    _check(arr.model, p, "lora_rank", ge=0)
+    check_range(arr.model, p, "lora_rank", ge=0)
     try:
         resolve_targets(arr.model.target_modules)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if arr.model.lora_rank > 0:
-        _check(arr.model, p, "lora_alpha", gt=0.0)
+        check_range(arr.model, p, "lora_alpha", gt=0.0)
         if cfg.trainer.rollout_pool == "separate":
-            _fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
-                  "rollout receives merged weights, which only the colocated hand-off sends so far; "
-                  "set trainer.rollout_pool=colocated (or lora_rank=0)")
+            fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
+                 "rollout receives merged weights, which only the colocated hand-off sends so far; "
+                 "set trainer.rollout_pool=colocated (or lora_rank=0)")
         if arr.ref.megatron.param_offload:
-            _fail("actor_rollout_ref.ref.megatron.param_offload", True,
-                  f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "
-                  "adapters off (no reference model to offload); set it to false")
+            fail("actor_rollout_ref.ref.megatron.param_offload", True,
+                 f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "
+                 "adapters off (no reference model to offload); set it to false")
     for section in ("critic.model", "reward_model.model"):
         model = cfg.critic.model if section == "critic.model" else cfg.reward_model.model
         if model.lora_rank != 0:
-            _fail(f"{section}.lora_rank", model.lora_rank, "LoRA is implemented for the actor only "
-                  f"({p}.lora_rank); set it to 0")
+            fail(f"{section}.lora_rank", model.lora_rank, "LoRA is implemented for the actor only "
+                 f"({p}.lora_rank); set it to 0")
         for name in ("lora_alpha", "target_modules"):
             if getattr(model, name) != getattr(ModelConfig(), name):
-                _fail(f"{section}.{name}", getattr(model, name), "LoRA is implemented for the actor only "
-                      f"({p}.{name}); remove it")
+                fail(f"{section}.{name}", getattr(model, name), "LoRA is implemented for the actor only "
+                     f"({p}.{name}); remove it")
 
 
 def _validate_reward_model(rm: RewardModelConfig, custom, max_response_length: int) -> None:
     p = "reward_model"
-    _check(rm, p, "num_workers", ge=0)
-    _check(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
-    _check(rm.overlong_buffer, f"{p}.overlong_buffer", "len", ge=0)
-    _check(rm.overlong_buffer, f"{p}.overlong_buffer", "penalty_factor", ge=0.0)
+    check_range(rm, p, "num_workers", ge=0)
+    check_range(rm, p, "micro_batch_size_per_gpu", ge=1, optional=True)
+    check_range(rm.overlong_buffer, f"{p}.overlong_buffer", "len", ge=0)
+    check_range(rm.overlong_buffer, f"{p}.overlong_buffer", "penalty_factor", ge=0.0)
     _validate_frozen(rm.megatron, f"{p}.megatron")
     _validate_megatron(rm.megatron, f"{p}.megatron", is_actor=False)
     if rm.token_level != "implicit" and not rm.model.use_fused_kernels:  # a value head: no log-probs
-        _fail(f"{p}.model.use_fused_kernels", False, "a scalar-head reward model computes no log-probs, so "
-              "there is no fused kernel to turn off; remove it (it acts with token_level=implicit)")
+        fail(f"{p}.model.use_fused_kernels", False, "a scalar-head reward model computes no log-probs, so "
+             "there is no fused kernel to turn off; remove it (it acts with token_level=implicit)")
     from engine.rewards.sandbox import config_from
     try:
         config_from(rm.sandbox)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if rm.overlong_buffer.enable and not 0 < rm.overlong_buffer.len < max_response_length:
-        _fail(f"{p}.overlong_buffer.len", rm.overlong_buffer.len,
-              f"overlong_buffer.enable=true needs 0 < len < data.max_response_length ({max_response_length}): "
-              f"the last `len` tokens before the limit carry the penalty, e.g. {max(1, max_response_length // 4)}")
+        fail(f"{p}.overlong_buffer.len", rm.overlong_buffer.len,
+             f"overlong_buffer.enable=true needs 0 < len < data.max_response_length ({max_response_length}): "
+             f"the last `len` tokens before the limit carry the penalty, e.g. {max(1, max_response_length // 4)}")
     if custom.path is not None and not os.path.isfile(os.path.expanduser(custom.path)):
-        _fail("custom_reward_function.path", custom.path, "no such file; give the path of a Python file defining "
-              f"{custom.name}(data_source, solution_str, ground_truth, extra_info)")
+        fail("custom_reward_function.path", custom.path, "no such file; give the path of a Python file defining "
+             f"{custom.name}(data_source, solution_str, ground_truth, extra_info)")
     if rm.reward_manager == "batch" and custom.path is None:
-        _fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
-              "set custom_reward_function.path (and .name), or use reward_manager=naive")
+        fail(f"{p}.reward_manager", "batch", "'batch' calls custom_reward_function once per step with lists; "
+             "set custom_reward_function.path (and .name), or use reward_manager=naive")
     if rm.model.config is not None:
-        _fail(f"{p}.model.config", "{...}", "a reward model is loaded from reward_model.model.path (its trained "
-              "weights), never built at random; remove it (use reward_model.model.override_config to change it)")
+        fail(f"{p}.model.config", "{...}", "a reward model is loaded from reward_model.model.path (its trained "
+             "weights), never built at random; remove it (use reward_model.model.override_config to change it)")
     if rm.enable and rm.model.path is None:
-        _fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
-              "set it, or set reward_model.enable=false to use rule rewards")
+        fail("reward_model.model.path", None, "reward_model.enable=true needs a reward model directory; "
+             "set it, or set reward_model.enable=false to use rule rewards")
     if rm.enable and rm.micro_batch_size_per_gpu is None:
-        _fail("reward_model.micro_batch_size_per_gpu", None, "set the per-rank scoring micro-batch (sequences)")
+        fail("reward_model.micro_batch_size_per_gpu", None, "set the per-rank scoring micro-batch (sequences)")
 
 
 def _validate_algorithm(cfg: TridentConfig) -> None:
     a, p = cfg.algorithm, "algorithm"
-    _check(a, p, "gamma", ge=0.0, le=1.0)
-    _check(a, p, "lam", ge=0.0, le=1.0)
-    _check(a.kl_ctrl, f"{p}.kl_ctrl", "kl_coef", ge=0.0)
-    _check(a.kl_ctrl, f"{p}.kl_ctrl", "horizon", ge=1)
-    _check(a.kl_ctrl, f"{p}.kl_ctrl", "target_kl", gt=0.0)
+    check_range(a, p, "gamma", ge=0.0, le=1.0)
+    check_range(a, p, "lam", ge=0.0, le=1.0)
+    check_range(a.kl_ctrl, f"{p}.kl_ctrl", "kl_coef", ge=0.0)
+    check_range(a.kl_ctrl, f"{p}.kl_ctrl", "horizon", ge=1)
+    check_range(a.kl_ctrl, f"{p}.kl_ctrl", "target_kl", gt=0.0)
     g = f"{p}.kl_guard"
-    _check(a.kl_guard, g, "kl_ceiling", gt=0.0)
-    _check(a.kl_guard, g, "entropy_floor", ge=0.0)
-    _check(a.kl_guard, g, "raise_factor", ge=1.0)
-    _check(a.kl_guard, g, "lower_factor", gt=0.0, le=1.0)
+    check_range(a.kl_guard, g, "kl_ceiling", gt=0.0)
+    check_range(a.kl_guard, g, "entropy_floor", ge=0.0)
+    check_range(a.kl_guard, g, "raise_factor", ge=1.0)
+    check_range(a.kl_guard, g, "lower_factor", gt=0.0, le=1.0)
     w = a.kl_guard.warn_range
     if len(w) != 2 or not 0 <= w[0] <= w[1]:
-        _fail(f"{g}.warn_range", w, "must be [low, high] with 0 <= low <= high, e.g. [0.0005, 0.01]")
+        fail(f"{g}.warn_range", w, "must be [low, high] with 0 <= low <= high, e.g. [0.0005, 0.01]")
     if a.kl_guard.enable and not (cfg.actor_rollout_ref.actor.use_kl_loss or a.use_kl_in_reward):
-        _fail(f"{g}.enable", True, "the guard moves the KL coefficient, but there is no KL term (actor.use_kl_loss "
-              "and algorithm.use_kl_in_reward are false); turn one on or set kl_guard.enable=false")
+        fail(f"{g}.enable", True, "the guard moves the KL coefficient, but there is no KL term (actor.use_kl_loss "
+             "and algorithm.use_kl_in_reward are false); turn one on or set kl_guard.enable=false")
     n = cfg.actor_rollout_ref.rollout.n
     if a.adv_estimator in GROUP_ESTIMATORS and n < 2:
-        _fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "
-              "responses to one prompt, so it needs at least 2; set rollout.n >= 2 (e.g. 4)")
+        fail("actor_rollout_ref.rollout.n", n, f"algorithm.adv_estimator={a.adv_estimator!r} compares the "
+             "responses to one prompt, so it needs at least 2; set rollout.n >= 2 (e.g. 4)")
 
 
 def _validate_trainer(cfg: TridentConfig) -> None:
@@ -316,58 +319,58 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     for name in ("nnodes", "n_gpus_per_node", "total_epochs"):
-        _check(t, p, name, ge=1)
-    _check(t, p, "total_training_steps", ge=1, optional=True)
-    _check(t, p, "test_freq", ge=1, allow=(-1,))
-    _check(t, p, "save_freq", ge=1, allow=(-1,))
-    _check(t, p, "max_actor_ckpt_to_keep", ge=1, optional=True)
-    _check(t, p, "oom_retry", ge=0)
-    _check(t, p, "max_nonfinite_skips", ge=1)
-    _check(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
-    _check(t, p, "collective_timeout_s", ge=1)
+        check_range(t, p, name, ge=1)
+    check_range(t, p, "total_training_steps", ge=1, optional=True)
+    check_range(t, p, "test_freq", ge=1, allow=(-1,))
+    check_range(t, p, "save_freq", ge=1, allow=(-1,))
+    check_range(t, p, "max_actor_ckpt_to_keep", ge=1, optional=True)
+    check_range(t, p, "oom_retry", ge=0)
+    check_range(t, p, "max_nonfinite_skips", ge=1)
+    check_range(t, p, "rollback_lr_factor", gt=0.0, le=1.0)
+    check_range(t, p, "collective_timeout_s", ge=1)
     launched = t.nnodes * t.n_gpus_per_node
     if t.rollout_pool == "separate" and not 1 <= t.rollout_pool_ranks < launched:
-        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, f"a separate pool needs between 1 and "
-              f"{launched - 1} of the {launched} ranks (the rest train); e.g. {launched // 2}")
+        fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, f"a separate pool needs between 1 and "
+             f"{launched - 1} of the {launched} ranks (the rest train); e.g. {launched // 2}")
     if t.rollout_pool == "colocated" and t.rollout_pool_ranks:
-        _fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, "only read with trainer.rollout_pool=separate; "
-              "set it to 0 or set rollout_pool=separate")
+        fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, "only read with trainer.rollout_pool=separate; "
+             "set it to 0 or set rollout_pool=separate")
     if t.off_policy_steps not in (0, 1):
-        _fail("trainer.off_policy_steps", t.off_policy_steps, "use 0 (on-policy) or 1 (one-step off-policy)")
+        fail("trainer.off_policy_steps", t.off_policy_steps, "use 0 (on-policy) or 1 (one-step off-policy)")
     if t.off_policy_steps and t.rollout_pool != "separate":
-        _fail("trainer.off_policy_steps", t.off_policy_steps, "overlapping generation with training needs "
-              "other ranks to generate: set trainer.rollout_pool=separate and rollout_pool_ranks")
+        fail("trainer.off_policy_steps", t.off_policy_steps, "overlapping generation with training needs "
+             "other ranks to generate: set trainer.rollout_pool=separate and rollout_pool_ranks")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
-        _fail("trainer.resume_from_path", t.resume_from_path,
-              "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
+        fail("trainer.resume_from_path", t.resume_from_path,
+             "trainer.resume_mode='resume_path' needs the checkpoint directory to resume from")
     if t.resume_mode != "resume_path" and t.resume_from_path:
-        _fail("trainer.resume_from_path", t.resume_from_path,
-              f"only read when trainer.resume_mode='resume_path' (it is {t.resume_mode!r}); set one or the other")
+        fail("trainer.resume_from_path", t.resume_from_path,
+             f"only read when trainer.resume_mode='resume_path' (it is {t.resume_mode!r}); set one or the other")
 
 
 def _validate_task(cfg: TridentConfig) -> None:
     """Offline tasks (engine/offline) train on preference pairs: the keys only they read, and the
     PPO keys that would silently do nothing there, are refused where they cannot act."""
     task, d, dpo = cfg.trainer.task, cfg.data, cfg.algorithm.dpo
-    _check(dpo, "algorithm.dpo", "beta", gt=0.0)
+    check_range(dpo, "algorithm.dpo", "beta", gt=0.0)
     offline = task in ("reward_model", "dpo")
     where = f"trainer.task={task!r}"
     if not offline:
         for key, value, default in (("chosen_key", d.chosen_key, "chosen"),
                                     ("rejected_key", d.rejected_key, "rejected")):
             if value != default:
-                _fail(f"data.{key}", value, f"preference pairs are read by trainer.task "
-                      f"'reward_model' or 'dpo' only ({where}); remove it")
+                fail(f"data.{key}", value, f"preference pairs are read by trainer.task "
+                     f"'reward_model' or 'dpo' only ({where}); remove it")
     if d.margin_key is not None and task != "reward_model":
-        _fail("data.margin_key", d.margin_key, f"margins enter the reward model's Bradley-Terry "
-              f"loss only ({where}); set trainer.task=reward_model or remove it")
+        fail("data.margin_key", d.margin_key, f"margins enter the reward model's Bradley-Terry "
+             f"loss only ({where}); set trainer.task=reward_model or remove it")
     implicit = cfg.reward_model.token_level == "implicit"  # DPO's implicit reward uses its beta
     for name in ("beta", "loss_type", "precomputed_ref_log_probs"):
         if task != "dpo" and getattr(dpo, name) != getattr(DpoConfig(), name) \
                 and not (implicit and name == "beta"):
             also = " or reward_model.token_level=implicit" if name == "beta" else ""
-            _fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
-                  f"({where}){also}; remove it")
+            fail(f"algorithm.dpo.{name}", getattr(dpo, name), f"read by trainer.task='dpo' only "
+                 f"({where}){also}; remove it")
     if not offline:
         return
     arr = cfg.actor_rollout_ref
@@ -382,19 +385,19 @@ def _validate_task(cfg: TridentConfig) -> None:
         ("reward_model.enable", True, cfg.reward_model.enable)]
     for key, value, bad in refused:
         if bad:
-            _fail(key, value, f"{where} trains on fixed preference pairs (no rollout, rewards, "
-                  "critic or KL loss; one pass per batch: use trainer.total_epochs); remove it")
+            fail(key, value, f"{where} trains on fixed preference pairs (no rollout, rewards, "
+                 "critic or KL loss; one pass per batch: use trainer.total_epochs); remove it")
     if d.builtin_task not in (None, "arith"):
-        _fail("data.builtin_task", d.builtin_task, f"{where} builds preference pairs from the "
-              "'arith' task only; use 'arith' or data.train_files")
+        fail("data.builtin_task", d.builtin_task, f"{where} builds preference pairs from the "
+             "'arith' task only; use 'arith' or data.train_files")
     if dpo.precomputed_ref_log_probs and d.builtin_task:
-        _fail("algorithm.dpo.precomputed_ref_log_probs", True, "the built-in task's pairs carry no "
-              "ref_chosen_logps / ref_rejected_logps columns; set it to false (the reference "
-              "model computes them) or use data.train_files that have them")
+        fail("algorithm.dpo.precomputed_ref_log_probs", True, "the built-in task's pairs carry no "
+             "ref_chosen_logps / ref_rejected_logps columns; set it to false (the reference "
+             "model computes them) or use data.train_files that have them")
     actor = arr.actor
     pair = 2 * (d.max_prompt_length + d.max_response_length)
     if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu < pair:
-        _fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
-              f"a micro-batch holds whole preference pairs (chosen + rejected, up to 2 x "
-              f"(max_prompt_length + max_response_length) = {pair} tokens); set it to at least "
-              f"{pair}")
+        fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+             f"a micro-batch holds whole preference pairs (chosen + rejected, up to 2 x "
+             f"(max_prompt_length + max_response_length) = {pair} tokens); set it to at least "
+             f"{pair}")

@@ -1,17 +1,20 @@
 """Validation of where a PPO step's experience comes from and how it is weighed: logged
 responses (data.offline_path), token-level model rewards, truncated IS (rollout_correction),
-replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each."""
+replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each.
+
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py
+"""
 from __future__ import annotations
 
 from engine.config.schema import FilterGroupsConfig, ReplayConfig, TridentConfig
-from engine.config.checks import _check, _fail
+from engine.config.checks import check_range, fail
 
 
 def validate_experience(cfg: TridentConfig) -> None:
     _offline_source(cfg)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction
-    _check(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
+    check_range(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
     _replay(cfg)
     _filter_groups(cfg)
     if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience.py Pool) replaces these
@@ -19,8 +22,8 @@ def validate_experience(cfg: TridentConfig) -> None:
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
                           ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
             if set_:
-                _fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
-                      "own source of experience); use rollout_pool=colocated or remove it")
+                fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
+                     "own source of experience); use rollout_pool=colocated or remove it")
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
@@ -28,8 +31,8 @@ def validate_experience(cfg: TridentConfig) -> None:
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
                           ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
             if set_:
-                _fail(key, _value(cfg, key), f"a PPO key; trainer.task={cfg.trainer.task!r} trains "
-                      "on preference pairs; remove it")
+                fail(key, _value(cfg, key), f"a PPO key; trainer.task={cfg.trainer.task!r} trains "
+                     "on preference pairs; remove it")
 
 
 def _value(cfg, key):
@@ -47,7 +50,7 @@ def _offline_source(cfg: TridentConfig) -> None:
     if d.train_files or d.builtin_task is not None:
         key, value = (("data.train_files", d.train_files) if d.train_files
                       else ("data.builtin_task", d.builtin_task))
-        _fail(key, value, f"{where}, so use one source: remove {key} (held-out prompts go in data.val_files)")
+        fail(key, value, f"{where}, so use one source: remove {key} (held-out prompts go in data.val_files)")
     refused = [("algorithm.adv_estimator", alg.adv_estimator, alg.adv_estimator == "remax",
                 "ReMax generates a greedy baseline; use grpo, rloo, gae or reinforce_plus_plus"),
                ("algorithm.filter_groups.enable", True, alg.filter_groups.enable,
@@ -60,67 +63,67 @@ def _offline_source(cfg: TridentConfig) -> None:
                 cfg.custom_reward_function.path is not None, "no reward is computed; remove it")]
     for key, value, bad, fix in refused:
         if bad:
-            _fail(key, value, f"{where} (no generation); {fix}")
+            fail(key, value, f"{where} (no generation); {fix}")
 
 
 def _model_rewards(cfg: TridentConfig) -> None:
     rm = cfg.reward_model
     if rm.token_level is not None and not rm.enable:
-        _fail("reward_model.token_level", rm.token_level, "spreads the reward model's reward over "
-              "tokens; set reward_model.enable=true and reward_model.model.path (margin: a reward "
-              "model, implicit: a DPO policy), or remove it")
+        fail("reward_model.token_level", rm.token_level, "spreads the reward model's reward over "
+             "tokens; set reward_model.enable=true and reward_model.model.path (margin: a reward "
+             "model, implicit: a DPO policy), or remove it")
     if not rm.rule_reward and not rm.enable and cfg.data.offline_path is None:
-        _fail("reward_model.rule_reward", False, "without the rule reward and without a reward model "
-              "nothing scores the responses; set reward_model.enable=true or rule_reward=true")
+        fail("reward_model.rule_reward", False, "without the rule reward and without a reward model "
+             "nothing scores the responses; set reward_model.enable=true or rule_reward=true")
 
 
 def _replay(cfg: TridentConfig) -> None:
     r, p = cfg.algorithm.replay, "algorithm.replay"
-    _check(r, p, "capacity", ge=1)
-    _check(r, p, "ratio", ge=0.0)
-    _check(r, p, "keep", gt=0.0, le=1.0)
-    _check(r, p, "weight_pow", ge=0.0)
+    check_range(r, p, "capacity", ge=1)
+    check_range(r, p, "ratio", ge=0.0)
+    check_range(r, p, "keep", gt=0.0, le=1.0)
+    check_range(r, p, "weight_pow", ge=0.0)
     default = ReplayConfig()
     if not r.enable:
         for name in ("capacity", "ratio", "filter", "keep", "weight_pow"):
             if getattr(r, name) != getattr(default, name):
-                _fail(f"{p}.{name}", getattr(r, name),
-                      f"read only with {p}.enable=true; set it or remove this key")
+                fail(f"{p}.{name}", getattr(r, name),
+                     f"read only with {p}.enable=true; set it or remove this key")
         return
     if r.ratio == 0 and r.filter is None:
-        _fail(f"{p}.enable", True, f"with {p}.ratio=0 and no {p}.filter the buffer changes nothing; "
-              "set ratio > 0 (replayed groups per fresh group) or a PF-PPO filter")
+        fail(f"{p}.enable", True, f"with {p}.ratio=0 and no {p}.filter the buffer changes nothing; "
+             "set ratio > 0 (replayed groups per fresh group) or a PF-PPO filter")
     n = cfg.actor_rollout_ref.rollout.n
     if r.filter in ("best", "best_worst"):
         kept, least = round(r.keep * n), 1 if r.filter == "best" else 2
         if kept < least:
-            _fail(f"{p}.keep", r.keep, f"keeps round({r.keep} x rollout.n {n}) = {kept} responses per "
-                  f"prompt; filter={r.filter!r} needs at least {least}: raise keep or rollout.n")
+            fail(f"{p}.keep", r.keep, f"keeps round({r.keep} x rollout.n {n}) = {kept} responses per "
+                 f"prompt; filter={r.filter!r} needs at least {least}: raise keep or rollout.n")
     elif r.keep != default.keep:
-        _fail(f"{p}.keep", r.keep,
-              f"read by filter 'best' / 'best_worst' only (filter={r.filter!r}); remove it")
+        fail(f"{p}.keep", r.keep,
+             f"read by filter 'best' / 'best_worst' only (filter={r.filter!r}); remove it")
     if r.filter != "reweight" and r.weight_pow != default.weight_pow:
-        _fail(f"{p}.weight_pow", r.weight_pow,
-              f"read by filter 'reweight' only (filter={r.filter!r}); remove it")
+        fail(f"{p}.weight_pow", r.weight_pow,
+             f"read by filter 'reweight' only (filter={r.filter!r}); remove it")
 
 
 def _filter_groups(cfg: TridentConfig) -> None:
     f, p = cfg.algorithm.filter_groups, "algorithm.filter_groups"
-    _check(f, p, "max_num_gen_batches", ge=0)
+    check_range(f, p, "max_num_gen_batches", ge=0)
     if not f.enable:
         default = FilterGroupsConfig()
         for name in ("metric", "max_num_gen_batches"):
             if getattr(f, name) != getattr(default, name):
-                _fail(f"{p}.{name}", getattr(f, name),
-                      f"read only with {p}.enable=true; set it or remove this key")
+                fail(f"{p}.{name}", getattr(f, name),
+                     f"read only with {p}.enable=true; set it or remove this key")
         return
     n = cfg.actor_rollout_ref.rollout.n
     if n < 2:
-        _fail("actor_rollout_ref.rollout.n", n, f"{p}.enable=true drops prompts whose responses all score "
-              "the same, which a single response always does; set rollout.n >= 2")
+        fail("actor_rollout_ref.rollout.n", n, f"{p}.enable=true drops prompts whose responses all score "
+             "the same, which a single response always does; set rollout.n >= 2")
     if not f.metric:
-        _fail(f"{p}.metric", f.metric, "name what must differ within a group: seq_reward, "
-              "seq_final_reward or a reward extra such as acc")
+        fail(f"{p}.metric", f.metric, "name what must differ within a group: seq_reward, "
+             "seq_final_reward or a reward extra such as acc")
     if f.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        _fail(f"{p}.metric", f.metric, "groups are filtered before the in-reward KL is known here "
-              "(algorithm.use_kl_in_reward=true); use seq_reward")
+        fail(f"{p}.metric", f.metric, "groups are filtered before the in-reward KL is known here "
+             "(algorithm.use_kl_in_reward=true); use seq_reward")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine import faults
-from engine.batch import Batch
+from engine.batch import Batch, update_split
 from engine.models.builder import build_model
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
@@ -421,7 +421,6 @@ class MegatronWorker:
         for c in self.chunks:
             c.train()
         if micro_batch_size is None and max_tokens is None:  # the derived plan's rule
-            from engine.config.derive import update_split
             split = update_split(self.cfg)
             micro_batch_size, max_tokens = split.micro_batch_size, split.max_tokens
         return micro_batch_size, max_tokens
