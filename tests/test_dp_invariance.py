@@ -51,7 +51,7 @@ def _one_step(world, tmp):
     derived, components = build(cfg, world)
     t = Recording(derived, components)
     metrics = t.train_step(t.loader.next_batch())
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
     out = dict(dp_rank=ps.get_data_parallel_rank(), seen=t.seen,
                metrics={k: metrics[k] for k in INVARIANT_METRICS})

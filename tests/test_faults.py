@@ -148,7 +148,7 @@ def _oom_steps(tmp, layout, fault, steps=2):
             t.step_count += 1
             metrics.append({k: m[k] for k in ("actor/oom_retries", "train/applied_update")})
             metrics[-1]["grad_norm_finite"] = math.isfinite(m["actor/grad_norm"])
-        t.hybrid.to_training()
+        t.colocated.to_training()
         t.rollout.shutdown()
         return dict(sizes=sizes, metrics=metrics, split=t.actor.split)
     finally:

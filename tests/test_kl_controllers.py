@@ -99,7 +99,7 @@ def _kl_steps(tmp, guard_overrides, steps=3):
         t.step_count += 1
         out.append({k: m[k] for k in ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
                                       "kl_guard/kl_coef", "kl_guard/action")})
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
     return out
 

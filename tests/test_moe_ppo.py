@@ -222,7 +222,7 @@ def _trainer_step_with(replay, tmp, rollout):
         if getattr(layer.mlp, "router", None) is not None:
             layer.mlp.router.register_forward_hook(lambda m, i, o, L=layer.layer_number - 1: compare(m, i, o, L))
     metrics = t.train_step(t.loader.next_batch())
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
     moved = max(float((w - before[n]).abs().max()) for n, w in iter_global(t.actor.chunks))
     return dict(first={L: c[0][0] for L, c in calls.items()}, actions={c[0][1] for c in calls.values()},

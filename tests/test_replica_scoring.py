@@ -50,7 +50,7 @@ def _scored_steps(tmp, layout, steps=2):
     for _ in range(steps):
         t.train_step(t.loader.next_batch())
         t.step_count += 1
-    t.hybrid.to_training()
+    t.colocated.to_training()
     t.rollout.shutdown()
     from megatron.core import parallel_state as ps
     return dict(rank=dist.get_rank(), dp_rank=ps.get_data_parallel_rank(), seen=t.seen)

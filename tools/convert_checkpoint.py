@@ -20,6 +20,9 @@ Every argument is checked before any tensor is read; missing parents of --out ar
 MoE models default to expert tensor parallel 1 (--etp). Every mistake in the input is one line,
 `error: ...`, exit code 2 (engine/errors.py), and leaves no partial output directory (outputs
 are written into a temporary sibling and renamed at the end).
+
+Tests: tests/test_convert_checkpoint.py, tests/test_hf_parity.py, tests/test_fp8_checkpoint.py,
+tests/test_lora_export.py
 """
 import argparse
 import json

@@ -177,6 +177,7 @@ class HybridEngine:
         # an engine starts with its memory taken, unless hand_back gave it back
         self.rollout_memory = set() if rollout in _RELEASED else set(ROLLOUT_MEMORY)
         self.record, self.log = False, []
+        self.phase = None  # the phase whose memory is in place (None: not known)
 
     def _rollout_wanted(self, phase):
         if self.schedule is not None:
@@ -221,6 +222,9 @@ class HybridEngine:
         """Move memory to what `phase` needs (not 'update_weights': use `sync()`)."""
         if phase == "update_weights":
             raise ValueError("the sync phase runs in an order of its own: call sync()")
+        if phase == self.phase:  # already there (generation right after the sync)
+            return
+        self.phase = phase
         if self.workers:
             self._models_to(phase)
         self._rollout_to(self._rollout_wanted(phase))
@@ -229,6 +233,7 @@ class HybridEngine:
     def sync(self) -> SyncStats:
         """Collective: the colocated sync (phases.SYNC_ORDER); ends ready to generate."""
         self.plan()
+        self.phase = None  # memory moves in the sync's own order
         if self.workers:
             self._models_to("update_weights")  # training grads and optimizer state leave first
         self._rollout_to(self._rollout_wanted("update_weights"))  # the rollout's weights memory
@@ -239,6 +244,7 @@ class HybridEngine:
             self._models_to("gen")  # the actor's parameters leave (param_offload)
         self._rollout_to(self._rollout_wanted("gen"))  # then the KV cache comes back
         self._note("gen")
+        self.phase = "gen"
         return stats
 
     def rollout_ready(self) -> bool:
@@ -250,4 +256,5 @@ class HybridEngine:
 
     def to_training(self) -> None:
         """Free the rollout's weights and cache (no schedule: nothing else moves)."""
+        self.phase = None
         self._rollout_to(set())
