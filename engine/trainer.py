@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
-from engine.algorithms.kl import FULL_KL_KINDS, KLGuard, make_kl_controller
+from engine.algorithms.kl import KLGuard, make_kl_controller
 from engine.algorithms.losses import apply_kl_penalty
 from engine.data import PromptLoader
 from engine.experience.context import StepContext
@@ -86,18 +86,7 @@ class Trainer(Loop):
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
         if self.critic is not None:
             self.critic.mini_batch_size_per_rank = derived.critic.mini_batch_size_per_rank
-        plan = derived.actor
-        # decided from the config, the same on every rank (the skipped forward has collectives)
-        self.reuse_old_log_prob = (arr.actor.on_policy_old_log_prob and plan.ppo_epochs == 1
-                                   and plan.mini_batches_per_epoch == 1
-                                   and not alg.use_kl_in_reward and cfg.trainer.off_policy_steps == 0
-                                   and not self.experience.needs_old_log_probs)
-        # exact KL (full / full+): the reference pass keeps its hidden states for the actor; in
-        # the reward, it runs before the old-log-prob pass, which computes the KL from them
-        self.full_kl_in_reward = alg.use_kl_in_reward and alg.kl_penalty in FULL_KL_KINDS
-        self.kl_uses_ref = arr.actor.use_kl_loss or alg.use_kl_in_reward  # (implicit rewards use it too)
-        self.keep_ref_hidden = self.full_kl_in_reward or (
-            arr.actor.use_kl_loss and arr.actor.kl_loss_type in FULL_KL_KINDS)
+        self.flags = derived.step  # what every step runs, decided once (engine/config/steps.py)
 
     @property
     def step_count(self):
@@ -150,11 +139,11 @@ class Trainer(Loop):
             batch, metrics = self.experience.collect(ctx, prompts)  # update_weights, gen (...)
             if "token_level_scores" not in batch:  # else logged, or scored by the source
                 metrics.update(ctx.reward_metrics(ctx.score(batch)))  # reward
-            if self.ref is not None and self.full_kl_in_reward:
+            if self.ref is not None and self.flags.full_kl_in_reward:
                 self.reference_pass(batch)  # ref (its hidden states feed the exact KL below)
-            if not self.reuse_old_log_prob:  # else update_policy takes its own, detached
+            if not self.flags.reuse_old_log_prob:  # else update_policy takes its own, detached
                 metrics.update(self.old_log_prob_pass(batch))  # old_log_prob
-            if self.ref is not None and self.kl_uses_ref and not self.full_kl_in_reward:
+            if self.ref is not None and self.flags.kl_uses_ref and not self.flags.full_kl_in_reward:
                 self.reference_pass(batch)  # ref
             if self.critic is not None:
                 with ctx.phase("values"):
@@ -186,7 +175,7 @@ class Trainer(Loop):
         with self.ctx.phase("ref"):
             out = self.ref.forward_outputs(
                 batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                with_hidden=self.keep_ref_hidden, **self.ctx.forward_split("ref"))
+                with_hidden=self.flags.keep_ref_hidden, **self.ctx.forward_split("ref"))
         batch["ref_log_prob"] = out["log_prob"]
         if "hidden" in out:
             batch["ref_hidden"] = out["hidden"]
@@ -198,9 +187,9 @@ class Trainer(Loop):
         with self.ctx.phase("old_log_prob"):
             out = self.actor.forward_outputs(
                 batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                with_full_kl=self.full_kl_in_reward, **self.ctx.forward_split("actor"))
+                with_full_kl=self.flags.full_kl_in_reward, **self.ctx.forward_split("actor"))
             batch["old_log_probs"] = out["log_prob"]
-            if self.full_kl_in_reward:
+            if self.flags.full_kl_in_reward:
                 batch["old_full_kl"] = out["full_kl"]
         if "rollout_log_probs" not in batch:
             return {}
@@ -215,7 +204,7 @@ class Trainer(Loop):
         rewards, metrics = apply_kl_penalty(
             batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
             batch["response_mask"], self.kl_ctrl.value, self.cfg.algorithm.kl_penalty,
-            full_kl=batch["old_full_kl"] if self.full_kl_in_reward else None)
+            full_kl=batch["old_full_kl"] if self.flags.full_kl_in_reward else None)
         batch["token_level_rewards"] = rewards
         kl = torch.tensor([float(metrics["actor/reward_kl_penalty"])])
         dist.all_reduce(kl, group=ps.get_data_parallel_group())
@@ -282,7 +271,7 @@ class Trainer(Loop):
         flops = step_flops(self.actor_params, total, active_params=active, ppo_epochs=actor.ppo_epochs,
                            critic_epochs=self.cfg.critic.ppo_epochs or actor.ppo_epochs,
                            critic=self.critic is not None, ref=self.ref is not None,
-                           old_log_prob=not self.reuse_old_log_prob)
+                           old_log_prob=not self.flags.reuse_old_log_prob)
         out = compute_throughput_metrics(total, step_time, self.world, flops=flops,
                                          peak_flops_per_rank=self.peak_flops)
         out["perf/peak_flops_per_rank"] = self.peak_flops or 0.0

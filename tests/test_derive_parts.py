@@ -72,8 +72,7 @@ def test_the_cases_flip_every_flag():
 
 def test_only_the_step_module_reads_what_the_flags_are_made_of():
     """The flags' inputs (on_policy_old_log_prob, the off-policy pool's steps, truncated IS as
-    a reason for the old-log-prob pass) are read in engine/config/steps.py; engine/trainer.py
-    is listed until it reads Derived.step."""
+    a reason for the old-log-prob pass) are read in engine/config/steps.py only."""
     readers = set()
     pattern = re.compile(r"\.on_policy_old_log_prob\b|\.needs_old_log_probs\b")
     for top in ("engine", "tools"):
@@ -82,8 +81,7 @@ def test_only_the_step_module_reads_what_the_flags_are_made_of():
                 path = os.path.relpath(os.path.join(dirpath, f), ROOT)
                 if f.endswith(".py") and pattern.search(open(os.path.join(ROOT, path)).read()):
                     readers.add(path)
-    assert readers - {"engine/trainer.py", "engine/experience/replay.py", "engine/experience/base.py"} \
-        <= {"engine/config/steps.py"}
+    assert readers == {"engine/config/steps.py"}
 
 
 def test_needs_old_log_probs_follows_the_experience_config():

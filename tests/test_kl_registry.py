@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.algorithms.kl import FULL_KL_KINDS, KL_KINDS, KLKind
+from engine.algorithms.kl import KL_KINDS, KLKind
 from kernels.kl import kl_penalty, linear_full_kl
 
 
@@ -46,8 +46,8 @@ def test_straight_through_kinds_have_the_k2_gradient(kind):
     torch.testing.assert_close(lp.grad, (lp - ref).detach())
 
 
-def test_the_legacy_tuple_is_read_off_the_registry():
-    assert FULL_KL_KINDS == tuple(k for k, m in KL_KINDS.items() if m.exact) == ("full", "full+")
+def test_the_exact_kinds_are_full_and_full_plus():
+    assert tuple(k for k, m in KL_KINDS.items() if m.exact) == ("full", "full+")
 
 
 def test_the_step_flags_and_the_actor_ask_the_registry(monkeypatch):

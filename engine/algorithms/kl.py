@@ -31,12 +31,8 @@ from kernels.kl import KL_KINDS, KLKind, kl_penalty, linear_full_kl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "KLKind", "FULL_KL_KINDS", "FixedKLController",
+__all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "KLKind", "FixedKLController",
            "AdaptiveKLController", "make_kl_controller", "KLGuard"]
-
-# the exact kinds, read off the registry; only engine/trainer.py imports it, until it reads
-# Derived.step (engine/config/steps.py) instead: then remove it
-FULL_KL_KINDS = tuple(name for name, kind in KL_KINDS.items() if kind.exact)
 
 ADAPTIVE_CLIP = 0.2
 

@@ -30,12 +30,6 @@ class Source:
     def __init__(self, cfg):
         self.correction = cfg.algorithm.rollout_correction
 
-    @property
-    def needs_old_log_probs(self):
-        """The old log-probs must come from their own pass, before the advantages (the
-        trainer's on-policy shortcut takes them from the update's forward, too late)."""
-        return self.correction.rollout_is is not None
-
     def prompts(self, ctx):
         """The next step's prompts."""
         return ctx.loader.next_batch()

@@ -99,11 +99,6 @@ class Replay(Source):
         self.group_size = round(self.cfg.keep * n) if self.cfg.filter in ("best", "best_worst") else n
         self.buffer = ReplayBuffer(self.cfg.capacity, self.group_size)
 
-    @property
-    def needs_old_log_probs(self):
-        # replayed groups make the batch larger than the plan's one mini-batch
-        return self.inner.needs_old_log_probs or self.cfg.ratio > 0 or super().needs_old_log_probs
-
     def prompts(self, ctx):
         return self.inner.prompts(ctx)
 
