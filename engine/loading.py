@@ -57,8 +57,8 @@ def _hf_reason(error):
     cause = error.__cause__ if error.__cause__ is not None else error
     text = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
     if "Should contain one of" in text:
-        from engine.models.arch import _MODEL_TYPES
-        text = text.split(". Should contain one of")[0] + f" (Trident supports {', '.join(_MODEL_TYPES)})"
+        from engine.models.arch import MODEL_TYPES
+        text = text.split(". Should contain one of")[0] + f" (Trident supports {', '.join(MODEL_TYPES)})"
     return text.rstrip(".")
 
 

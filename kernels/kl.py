@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.logprob import _ChunkBuffers, _all_reduce, _global_max, default_chunk_tokens
+from kernels.logprob import ChunkBuffers, reduce_in_group, vocab_global_max, default_chunk_tokens
 
 __all__ = ["kl_penalty", "linear_full_kl", "KL_KINDS", "KLKind"]
 
@@ -192,8 +192,8 @@ class _LinearFullKL(torch.autograd.Function):
         n_tokens, vocab_local = hidden.shape[0], weight.shape[0]
         stats = torch.zeros(5, n_tokens, dtype=torch.float32, device=hidden.device)
         if n_tokens:
-            actor = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, "torch")
-            ref = _ChunkBuffers(min(chunk, n_tokens), vocab_local, ref_weight, "torch")
+            actor = ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, "torch")
+            ref = ChunkBuffers(min(chunk, n_tokens), vocab_local, ref_weight, "torch")
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             za = actor.logits(hidden[start:end], weight).mul_(inv_t)
@@ -222,8 +222,8 @@ class _LinearFullKL(torch.autograd.Function):
         d_weight = torch.zeros_like(weight) if need_weight else None
         g = grad.float() * inv_t
         if n_tokens:
-            actor = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, "torch")
-            ref = _ChunkBuffers(min(chunk, n_tokens), vocab_local, ref_weight, "torch")
+            actor = ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, "torch")
+            ref = ChunkBuffers(min(chunk, n_tokens), vocab_local, ref_weight, "torch")
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             rows = slice(start, end)
@@ -243,15 +243,15 @@ class _LinearFullKL(torch.autograd.Function):
             if need_weight:
                 d_weight.addmm_(dz.t(), hidden[rows])
         if d_hidden is not None:
-            d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
+            d_hidden = reduce_in_group(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None
 
 
 def _combine_kl(stats, group):
     ma, mr, sa, sr, b = stats
-    big_ma, scale_a = _global_max(ma, group)
-    big_mr, scale_r = _global_max(mr, group)
-    sums = _all_reduce(torch.stack([sa * scale_a, sr * scale_r, b * scale_a]),
+    big_ma, scale_a = vocab_global_max(ma, group)
+    big_mr, scale_r = vocab_global_max(mr, group)
+    sums = reduce_in_group(torch.stack([sa * scale_a, sr * scale_r, b * scale_a]),
                        dist.ReduceOp.SUM, group)
     log_za = big_ma + torch.log(sums[0])
     log_zr = big_mr + torch.log(sums[1])

@@ -189,16 +189,16 @@ def _local_labels(labels, offset, vocab_local):
     return torch.where((local >= 0) & (local < vocab_local), local, torch.full_like(local, -1))
 
 
-def _all_reduce(tensor, op, group):
+def reduce_in_group(tensor, op, group):
     if _group_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
-def _global_max(local_max, group):
+def vocab_global_max(local_max, group):
     """Per-token max over the vocab shards, and the factor exp(local - global) that rescales a
     sum of exp(z - local_max) to one of exp(z - global_max)."""
-    global_max = _all_reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+    global_max = reduce_in_group(local_max.clone(), dist.ReduceOp.MAX, group)
     return global_max, torch.exp(local_max - global_max)
 
 
@@ -210,11 +210,11 @@ def _combine_stats(m, s, a, zlab, group):
     S = sum over ranks of s * exp(m - M):  logZ = M + log S;  logprob = z_label - logZ;
     entropy = logZ - E_p[z] = log S - A / S, A = sum over ranks of exp(m - M) (a + (m - M) s).
     """
-    big_m, scale = _global_max(m, group)
+    big_m, scale = vocab_global_max(m, group)
     parts = [s * scale, zlab]
     if a is not None:
         parts.append((a + (m - big_m) * s) * scale)
-    sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
+    sums = reduce_in_group(torch.stack(parts), dist.ReduceOp.SUM, group)
     log_s = torch.log(sums[0])
     log_z = big_m + log_s
     entropy = log_s - sums[2] / sums[0] if a is not None else None
@@ -272,7 +272,7 @@ def _torch_grad_from(logp, p, entropy, g_lp, g_ent, local_labels):
 # ---------------------------------------------------------------------------------------------
 # Chunk driver, shared by both backends
 
-class _ChunkBuffers:
+class ChunkBuffers:
     """Chunk-sized work buffers allocated once per call: repeated allocation of buffers this
     size goes through mmap and pays page faults on every chunk."""
 
@@ -300,7 +300,7 @@ def _forward(hidden, weight, local_labels, inv_t, chunk, need_entropy, backend):
     stats = torch.empty(4, n_tokens, dtype=torch.float32, device=hidden.device)
     if n_tokens == 0:
         return stats[0], stats[1], (stats[2] if need_entropy else None), stats[3]
-    bufs = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
+    bufs = ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         z = bufs.logits(hidden[start:end], weight)
@@ -327,7 +327,7 @@ def _backward(hidden, weight, local_labels, inv_t, chunk, log_z, entropy, g_lp, 
     d_weight = torch.zeros_like(weight) if need_weight else None
     if n_tokens == 0:
         return d_hidden, d_weight
-    bufs = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
+    bufs = ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
     g_lp = g_lp * inv_t  # d logits / d raw logits = 1 / t
     g_ent = g_ent * inv_t if g_ent is not None else None
     for start in range(0, n_tokens, chunk):
@@ -393,7 +393,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             need_hidden, need_weight, backend)
         if d_hidden is not None:
             # every vocab shard contributes to every token's hidden gradient
-            d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
+            d_hidden = reduce_in_group(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
@@ -425,7 +425,7 @@ def _single_pass(hidden, weight, local_labels, inv_t, chunk, tp_group, token_los
     if n_tokens == 0:
         return total.float(), logprob, entropy, d_hidden, d_weight
     need_grad = need_hidden or need_weight
-    bufs = _ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
+    bufs = ChunkBuffers(min(chunk, n_tokens), vocab_local, weight, backend)
     for start in range(0, n_tokens, chunk):
         end = min(start + chunk, n_tokens)
         h, labels = hidden[start:end], local_labels[start:end]
@@ -464,7 +464,7 @@ class _LinearTokenLoss(torch.autograd.Function):
             need_weight, backend)
         if d_hidden is not None:
             # every vocab shard contributes to every token's hidden gradient
-            d_hidden = _all_reduce(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
+            d_hidden = reduce_in_group(d_hidden, dist.ReduceOp.SUM, tp_group).to(hidden.dtype)
         # kept as attributes, not saved tensors: backward scales them in place and hands them
         # over, so no second weight-sized gradient is ever allocated
         ctx.grads = [d_hidden, d_weight]

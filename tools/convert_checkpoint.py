@@ -37,7 +37,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from engine.errors import ArgumentParser, UsageError, UserError, report, run_main  # noqa: E402
-from tools.convert_formats import _log, _torch_dtype, gguf_to_hf, lora_meta, lora_to_hf  # noqa: E402
+from tools.convert_formats import log_rank0, torch_dtype_of, gguf_to_hf, lora_meta, lora_to_hf  # noqa: E402
 
 META_FILE = "trident_meta.json"
 HF_CONFIG_DIR = "hf_config"
@@ -79,11 +79,11 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
     index = hf_io.read_index(hf_dir)
     hf_io.validate_checkpoint(hf_config, index, hf_io.head_of(hf_config))
     init_mesh(layout)
-    dtype = _torch_dtype(params_dtype, hf_config)
+    dtype = torch_dtype_of(params_dtype, hf_config)
     chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=dtype,
                          sequence_parallel=layout.sequence_parallel)
     hf_io.load_hf_weights(chunks, hf_dir, hf_config)
-    _log(f"loaded {len(index)} HF tensors from {hf_dir}")
+    log_rank0(f"loaded {len(index)} HF tensors from {hf_dir}")
     tmp = _shared_tmp_dir(out_dir)
     try:
         dist_checkpointing.save(_state_dict_of(chunks), tmp)
@@ -104,7 +104,7 @@ def hf_to_mcore(hf_dir, out_dir, layout, params_dtype="auto"):
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.barrier()
-    _log(f"wrote Megatron checkpoint {out_dir} (layout {layout})")
+    log_rank0(f"wrote Megatron checkpoint {out_dir} (layout {layout})")
     return chunks
 
 
@@ -129,7 +129,7 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
     if error:
         raise UsageError(f"--out: {error}")
     init_mesh(layout)
-    params_dtype = _torch_dtype(meta.get("params_dtype", "auto"), hf_config)
+    params_dtype = torch_dtype_of(meta.get("params_dtype", "auto"), hf_config)
     # a sequence-classification config (a trained reward model) builds the value head
     chunks = build_model(hf_config, head=hf_io.head_of(hf_config), params_dtype=params_dtype,
                          sequence_parallel=layout.sequence_parallel)
@@ -145,8 +145,8 @@ def mcore_to_hf(ckpt_dir, out_dir, layout, hf_config_dir=None, shard_size_mb=200
             print(f"  {done}/{total} tensors, {nbytes / 2 ** 20:.1f} MiB written", flush=True)
 
     hf_io.save_hf_weights(chunks, hf_config, out_dir, shard_size_mb, source_dir=hf_config_dir,
-                          dtype=None if dtype == "auto" else _torch_dtype(dtype), progress=progress)
-    _log(f"wrote HF checkpoint {out_dir}")
+                          dtype=None if dtype == "auto" else torch_dtype_of(dtype), progress=progress)
+    log_rank0(f"wrote HF checkpoint {out_dir}")
 
 
 def peak_rss_mib():
@@ -175,7 +175,7 @@ def _run(args):
     if args.report_memory:
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, peak_rss_mib())
-        _log(f"peak RSS per rank (MiB): {', '.join(f'{p:.0f}' for p in peaks)}")
+        log_rank0(f"peak RSS per rank (MiB): {', '.join(f'{p:.0f}' for p in peaks)}")
 
 
 def _spawned_rank(rank, args, port):
@@ -340,7 +340,7 @@ def _prepare(args):
         raise UsageError(f"--ckpt {args.ckpt!r} is not a Megatron dist checkpoint (no "
                          "metadata.json); pass the --out of an hf-to-mcore run")
     if args.command != "gguf-to-hf" and args.dtype != "auto":
-        _torch_dtype(args.dtype)  # the name, before torch is imported for the model
+        torch_dtype_of(args.dtype)  # the name, before torch is imported for the model
     from engine.models import hf_io  # torch, safetensors, transformers: after the cheap checks
     from engine.models.arch import arch_spec
 

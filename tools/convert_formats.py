@@ -14,7 +14,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 
 
-def _torch_dtype(name, hf_config=None):
+def torch_dtype_of(name, hf_config=None):
     if name not in _DTYPES and name not in (None, "auto"):
         raise UsageError(f"--dtype {name!r} is not supported; use auto, float32, bfloat16 or float16")
     import torch
@@ -25,7 +25,7 @@ def _torch_dtype(name, hf_config=None):
     return getattr(torch, _DTYPES[name])
 
 
-def _log(msg):
+def log_rank0(msg):
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
@@ -70,13 +70,13 @@ def lora_to_hf(step_dir, out_dir, layout, base_dir=None, hf_config_dir=None, fmt
     loaded = dist_checkpointing.load(state, ckpt)
     for key, chunk in zip(keys, chunks):
         lora.load_adapter_state(chunk, loaded[key])
-    out_dtype = None if dtype == "auto" else _torch_dtype(dtype)
+    out_dtype = None if dtype == "auto" else torch_dtype_of(dtype)
     if fmt == "merged":
         hf_io.save_hf_weights(chunks, hf_config, out_dir, shard_size_mb, source_dir=base_dir,
                               dtype=out_dtype)
     else:
         peft_io.save_peft_adapter(chunks, hf_config, out_dir, base_model=base_dir, dtype=out_dtype)
-    _log(f"wrote {'merged HF weights' if fmt == 'merged' else 'PEFT adapter'} {out_dir}")
+    log_rank0(f"wrote {'merged HF weights' if fmt == 'merged' else 'PEFT adapter'} {out_dir}")
 
 
 def gguf_to_hf(gguf_path, out_dir):
@@ -116,5 +116,5 @@ def gguf_to_hf(gguf_path, out_dir):
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _log(f"wrote {out_dir} ({sum(p.numel() for p in plain.parameters()) / 1e6:.1f}M parameters)")
+    log_rank0(f"wrote {out_dir} ({sum(p.numel() for p in plain.parameters()) / 1e6:.1f}M parameters)")
     return out_dir

@@ -322,7 +322,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                 "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -333,7 +333,7 @@ def architecture_of(hf_config):
     if archs:
         # a reward model's checkpoint names its head; the trunk is the causal LM's
         return archs[0].replace("ForSequenceClassification", "ForCausalLM")
-    return _MODEL_TYPES.get(getattr(hf_config, "model_type", None), str(
+    return MODEL_TYPES.get(getattr(hf_config, "model_type", None), str(
         getattr(hf_config, "model_type", None)))
 
 
