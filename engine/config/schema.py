@@ -51,7 +51,7 @@ Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/off
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
 RolloutIs = Literal["token", "sequence"]  # algorithm.rollout_correction.rollout_is (null: off)
-ReplayFilter = Literal["best", "best_worst", "reweight"]  # PF-PPO policy filtration (engine/replay.py)
+ReplayFilter = Literal["best", "best_worst", "reweight"]  # PF-PPO policy filtration (engine/experience/replay.py)
 
 # Estimators that compare responses within a group of n samples per prompt / need a critic.
 GROUP_ESTIMATORS = tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if e.group)
@@ -105,7 +105,7 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
-    # Offline PPO / GRPO from logged responses (engine/experience_offline.py): parquet with the
+    # Offline PPO / GRPO from logged responses (engine/experience/logged.py, engine/data/logged.py): parquet with the
     # prompt (prompt_key), `response` (text or token ids), `reward` or `score`, and optionally
     # `rollout_log_probs` (the behaviour policy's, one per response token); no generation
     offline_path: Optional[str] = None
@@ -357,7 +357,7 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class ReplayConfig:
-    """Replay buffer and PF-PPO policy filtration (engine/replay.py)."""
+    """Replay buffer and PF-PPO policy filtration (engine/experience/replay.py)."""
     enable: bool = False
     capacity: int = 4      # steps whose groups the buffer keeps (per DP rank, on CPU)
     ratio: float = 0.0     # replayed prompt groups per fresh group in a training batch
@@ -368,7 +368,7 @@ class ReplayConfig:
 
 @dataclass
 class FilterGroupsConfig:
-    """DAPO dynamic sampling (verl's keys; engine/dynamic_sampling.py): prompt groups whose
+    """DAPO dynamic sampling (verl's keys; engine/experience/dynamic_sampling.py): prompt groups whose
     `metric` is equal over all their responses are dropped and generation goes on until the
     batch is full."""
     enable: bool = False

@@ -17,7 +17,7 @@ def validate_experience(cfg: TridentConfig) -> None:
     check_range(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
     _replay(cfg)
     _filter_groups(cfg)
-    if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience.py Pool) replaces these
+    if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience/pool.py) replaces these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
                           ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
