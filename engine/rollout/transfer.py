@@ -1,0 +1,453 @@
+"""Weight sync by a transfer plan (issue 22 item 1; DESIGN.md "Weight sync by a transfer plan"):
+for every HF tensor the rollout loads, the slice each rollout GPU loads and the training rank
+that sends it, computed once from the HF config, the training layout and the rollout topology.
+Pure Python + numpy: no process group, any world size (1024 ranks of DeepSeek-V3 in seconds).
+
+    plan = transfer_plan(hf_config, Layout(tp=8, ep=256, etp=1, world_size=256),
+                         rollout_topology(256, 8, 16), bucket_megabytes=512)
+    plan.summary(nvlink_gbps=400, internode_gbps=50)  # planned vs today: bytes, messages, seconds
+    plan.transfers(["model.layers.3.mlp.experts.7.down_proj.weight"])  # [Transfer(...)]
+
+The rollout side (SGLang's sharding at rollout TP R; `attention_dp` and `rollout_ep` split R as
+SGLang's --dp-size with DP attention and --ep-size do; attention TP rank = j % (R/attention_dp),
+MoE EP rank = j // (R/rollout_ep), MoE TP rank = j % (R/rollout_ep), j = the GPU's TP rank):
+  - q/k/v_proj (QKVParallelLinear), MLA's q_proj / q_b_proj / kv_b_proj (ColumnParallelLinear):
+    output dim (0) over attention TP; k/v heads fewer than attention TP are replicated, rank j
+    loading head j // (TP / kv heads)                        (sglang/srt/layers/linear.py)
+  - o_proj (RowParallelLinear): input dim (1) over attention TP   (sglang/srt/layers/linear.py)
+  - dense and shared-expert gate_proj / up_proj (MergedColumnParallelLinear): dim 0 over R;
+    down_proj (RowParallelLinear): dim 1 over R                  (sglang/srt/layers/linear.py)
+  - routed experts (FusedMoE): whole experts per MoE-EP rank (contiguous, E / rollout_ep each);
+    w1 / w3 (gate / up) on dim 0 and w2 (down) on dim 1 over MoE TP
+                                                 (sglang/srt/layers/moe/fused_moe_triton/layer.py)
+  - embed_tokens / lm_head (VocabParallelEmbedding / ParallelLMHead): dim 0, the vocabulary padded
+    to a multiple of 64 (of 64 x TP if that does not divide), rank j loads rows
+    [j * padded / TP, (j + 1) * padded / TP) of the real ones (sglang/srt/layers/vocab_parallel_embedding.py)
+  - MLA's q_a_proj and kv_a_proj_with_mqa (fused into one ReplicatedLinear), norms, the router
+    gate and its score-correction bias, shared-expert gates: replicated  (sglang/srt/models/deepseek_v2.py)
+
+The training side follows parallel/shards.py (tests/test_transfer_plan.py checks it against a
+meta build): column-parallel Megatron tensors (embedding, output layer, fused QKV, MLA's q/kv
+projections, fc1 with its gate and up halves split separately) on dim 0, row-parallel
+(linear_proj, fc2) on dim 1, over TP (experts: expert TP); norms and routers replicated. Ranks
+are Megatron's order: rank = tp + TP x (cp + CP x (dp + DP x pp)), experts rank = etp + ETP x
+(ep + EP x (edp + EDP x pp)); layer l sits on stage (l // (L / (PP x VPP))) % PP. A LoRA model
+sends W + (alpha / r) B A merged by the holder of W's slice: the bytes are those of W.
+
+Senders: among the ranks holding a needed slice, the receiver itself (colocated: a copy on the
+GPU, no network), else one on its node, else any; ties are rotated over member, engine and
+position so the sending spreads; an expert comes only from the EP rank that owns it (and its
+expert-DP replicas), once to each GPU that loads it. Each (sender, receiver) pair's slices are
+one flattened stream cut into `bucket_megabytes` buckets: one message per bucket.
+
+Time model (per sync, `summary`): links are full duplex and a GPU's intra-node (NVLink) and
+inter-node (its NIC) traffic do not overlap, so GPU g takes
+max(intra sent, intra received) / nvlink_gbps + max(inter sent, inter received) / internode_gbps,
+and the sync the slowest GPU's time (GB = 1e9 bytes). Today (parallel/reshard.py): every piece
+is broadcast to every rank, so each GPU receives the whole model less what it holds and, in a
+ring, forwards as much; a broadcast across nodes runs at the per-GPU network rate. Its
+messages are its broadcasts, one per training piece, each reaching every GPU.
+
+Tests: tests/test_transfer_plan.py
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from engine.models.arch import arch_spec
+from engine.models.weights import expected_hf_tensors, global_shapes, row_blocks
+from engine.rollout.topology import RolloutTopology
+
+Box = Tuple[Tuple[int, int], ...]  # [start, stop) per dimension of the HF tensor
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_COL0 = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight", "linear_q_down_proj.weight",
+         "linear_q_up_proj.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
+         "linear_fc1.weight")
+_COL1 = ("linear_proj.weight", "linear_fc2.weight")
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One slice of one HF tensor from a training rank to a rollout GPU (global ranks)."""
+    hf_name: str
+    box: Box
+    sender: int
+    receiver: int
+    nbytes: int
+
+
+@dataclass
+class _Group:
+    """HF tensors alike but for their member index (one layer's experts' w1, say), or one tensor."""
+    names: Tuple[str, ...]                       # M names
+    shape: Tuple[int, ...]
+    pieces: List[Tuple[Box, np.ndarray]]         # training pieces: box, holders (M, h)
+    needs: List[Optional[Box]]                   # the box rollout TP rank j loads (None: nothing)
+    owner: Optional[np.ndarray]                  # (M, R) bool: which ranks load member m (rollout EP)
+    replicated: bool
+
+
+def _overlap(a: Box, b: Box) -> Optional[Box]:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _area(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def _full(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _with(box: Box, dim: int, lo: int, hi: int) -> Box:
+    return box[:dim] + ((lo, hi),) + box[dim + 1:]
+
+
+def _chunk(n: int, parts: int, i: int, what: str) -> Tuple[int, int]:
+    if n % parts:
+        raise ValueError(f"{what}: {n} does not split over {parts} rollout ranks")
+    return i * (n // parts), (i + 1) * (n // parts)
+
+
+class TransferPlan:
+    """The plan: see the module docstring. Build with `transfer_plan`."""
+
+    def __init__(self, groups: List[_Group], *, R: int, receivers: np.ndarray, senders: int,
+                 n_gpus: int, gpus_per_node: int, elt: int, bucket: int, megatron_pieces: int,
+                 held: np.ndarray, separate_pool: bool):
+        self.groups, self.R, self.elt, self.bucket = groups, R, elt, bucket
+        self.receivers = receivers                # (engines, R): global rank of each rollout GPU
+        self.n_train, self.n_gpus, self.gpus_per_node = senders, n_gpus, gpus_per_node
+        self.megatron_pieces, self.held, self.separate_pool = megatron_pieces, held, separate_pool
+        self.model_bytes = sum(len(g.names) * _area(_full(g.shape)) for g in groups) * elt
+        self.replicated_bytes = sum(len(g.names) * _area(_full(g.shape)) for g in groups
+                                    if g.replicated) * elt
+        self._pairs, self._cache = None, {}
+
+    @property
+    def engines(self) -> int:
+        return self.receivers.shape[0]
+
+    def node(self, rank):
+        return np.asarray(rank) // self.gpus_per_node
+
+    def _senders(self, ordinal: int, j: int, holders: np.ndarray):
+        """((M, engines) sender of each member to rollout rank j of each engine, a key naming it).
+
+        Ties rotate with (member + engine + (j + ordinal) mod 8) mod h, so the tensors with the
+        same holders share at most 8 choices per j: each is computed once."""
+        m, h = holders.shape
+        turn = (j + ordinal) % 8
+        key = (id(holders), j, turn)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit, key
+        recv = self.receivers[:, j]
+        cand = holders[:, None, :]
+        score = np.where(cand == recv[None, :, None], 0,
+                         np.where(self.node(cand) == self.node(recv)[None, :, None], 1, 2))
+        rot = (np.arange(m)[:, None] + np.arange(len(recv))[None, :] + turn) % h
+        order = (np.arange(h)[None, None, :] - rot[:, :, None]) % h
+        pick = np.argmin(score * h + order, axis=2)
+        self._cache[key] = send = np.take_along_axis(holders, pick, axis=1)
+        return send, key
+
+    def _walk(self):
+        """(group, member mask or None, position j, overlap box, senders (M, engines), key)."""
+        for ordinal, g in enumerate(self.groups):
+            for j, need in enumerate(g.needs):
+                if need is None:
+                    continue
+                for box, holders in g.pieces:
+                    part = _overlap(need, box)
+                    if part is not None:
+                        mask = None if g.owner is None else g.owner[:, j]
+                        yield (g, mask, j, part) + self._senders(ordinal, j, holders)
+
+    def pair_bytes(self) -> np.ndarray:
+        """(n_gpus, n_gpus) bytes sender -> receiver per sync (the diagonal: copies on a GPU)."""
+        if self._pairs is None:
+            n = self.n_gpus
+            pairs = np.zeros(n * n)
+            same: Dict[tuple, list] = {}   # slices with the same senders and receivers: summed first
+            for g, mask, j, part, send, key in self._walk():
+                entry = same.setdefault(key + (mask is not None,), [send, mask, j, 0])
+                entry[3] += _area(part) * self.elt
+            keys, weights, size = [], [], 0
+            for send, mask, j, nbytes in same.values():
+                if mask is not None:
+                    send = send[mask]
+                keys.append((send * n + self.receivers[:, j][None, :]).ravel())
+                weights.append(np.full(keys[-1].size, float(nbytes)))
+                size += keys[-1].size
+                if size > 4_000_000:
+                    pairs += np.bincount(np.concatenate(keys), np.concatenate(weights), minlength=n * n)
+                    keys, weights, size = [], [], 0
+            if keys:
+                pairs += np.bincount(np.concatenate(keys), np.concatenate(weights), minlength=n * n)
+            self._pairs = pairs.reshape(n, n)
+        return self._pairs
+
+    def transfers(self, names: Optional[Iterable[str]] = None) -> List[Transfer]:
+        """Every transfer (of the tensors `names`, default all) in plan order: slow at scale."""
+        wanted = None if names is None else set(names)
+        out = []
+        for g, mask, j, part, send, _ in self._walk():
+            for mi, name in enumerate(g.names):
+                if (wanted is not None and name not in wanted) or (mask is not None and not mask[mi]):
+                    continue
+                out += [Transfer(name, part, int(s), int(r), _area(part) * self.elt)
+                        for s, r in zip(send[mi], self.receivers[:, j])]
+        return out
+
+    def buckets(self, sender: int, receiver: int) -> List[List[Tuple[Transfer, int, int]]]:
+        """The flattened buckets of one pair: [(transfer, first byte, bytes in this bucket)]."""
+        out, current, room = [], [], self.bucket
+        for t in self.transfers():
+            if (t.sender, t.receiver) != (sender, receiver):
+                continue
+            done = 0
+            while done < t.nbytes:
+                n = min(room, t.nbytes - done)
+                current.append((t, done, n))
+                done, room = done + n, room - n
+                if room == 0:
+                    out.append(current)
+                    current, room = [], self.bucket
+        return out + ([current] if current else [])
+
+    def summary(self, nvlink_gbps: float = 400.0, internode_gbps: float = 50.0) -> dict:
+        """Per sync, planned vs today: GB received / sent per GPU (max, mean), messages, seconds."""
+        pairs = self.pair_bytes()
+        n, gpus = self.n_gpus, np.unique(self.receivers)
+        local = np.diag(pairs).copy()
+        net = pairs.copy()
+        np.fill_diagonal(net, 0.0)
+        same = self.node(np.arange(n))[:, None] == self.node(np.arange(n))[None, :]
+        intra, inter = np.where(same, net, 0.0), np.where(same, 0.0, net)
+        seconds = (np.maximum(intra.sum(0), intra.sum(1)) / (nvlink_gbps * GB)
+                   + np.maximum(inter.sum(0), inter.sum(1)) / (internode_gbps * GB))
+        recv, sent = net.sum(0), net.sum(1)
+        msgs = np.ceil(net / self.bucket)
+        loaded = recv[gpus] + local[gpus]
+        senders = np.arange(self.n_train)
+        planned = dict(recv_gb_max=recv[gpus].max() / GB, recv_gb_mean=recv[gpus].mean() / GB,
+                       sent_gb_max=sent[senders].max() / GB, sent_gb_mean=sent[senders].mean() / GB,
+                       loaded_gb_max=loaded.max() / GB, local_gb_max=local[gpus].max() / GB,
+                       messages=int(msgs.sum()), messages_per_gpu_max=int(msgs.sum(0).max()),
+                       seconds=float(seconds.max()))
+        # today: every GPU (training ranks and a separate pool's) receives the whole model less
+        # what it holds; a ring broadcast forwards as much as it receives
+        held = np.zeros(n)
+        held[:self.n_train] = self.held
+        today_recv = self.model_bytes - held
+        rate = (internode_gbps if n > self.gpus_per_node else nvlink_gbps) * GB
+        today = dict(recv_gb_max=today_recv.max() / GB, recv_gb_mean=today_recv.mean() / GB,
+                     sent_gb_max=today_recv.max() / GB, sent_gb_mean=today_recv.mean() / GB,
+                     messages=self.megatron_pieces, messages_per_gpu_max=self.megatron_pieces,
+                     seconds=float(today_recv.max() / rate))
+        r = lambda d: {k: (round(float(v), 3) if isinstance(v, float) else v) for k, v in d.items()}
+        return dict(model_gb=round(self.model_bytes / GB, 3),
+                    replicated_gb=round(self.replicated_bytes / GB, 3),
+                    rollout_tp=self.R, engines=self.engines, separate_pool=self.separate_pool,
+                    bucket_mb=self.bucket / (1 << 20), nvlink_gbps=nvlink_gbps,
+                    internode_gbps=internode_gbps, today=r(today), planned=r(planned))
+
+
+# --------------------------------------------------------------------------------------------
+# Building the plan
+# --------------------------------------------------------------------------------------------
+
+def _stage_of(layer: int, layers: int, pp: int, vpp: Optional[int]) -> int:
+    chunks = pp * (vpp or 1)
+    return (layer // (layers // chunks)) % pp
+
+
+def _training_split(rest: str):
+    """(dim, gated) of a Megatron tensor in the training layout (parallel/shards.py's rule)."""
+    for suffix in _COL0:
+        if rest.endswith(suffix):
+            return 0, suffix == "linear_fc1.weight"
+    if any(rest.endswith(s) for s in _COL1):
+        return 1, False
+    return None, False
+
+
+def _megatron_boxes(shape, dim, gated, count, t) -> List[Box]:
+    """Piece t of `count` of a Megatron tensor, as boxes in Megatron coordinates."""
+    full = _full(shape)
+    if dim is None or count == 1:
+        return [full]
+    if gated:
+        half = shape[0] // 2
+        step = half // count
+        return [_with(full, 0, s + t * step, s + (t + 1) * step) for s in (0, half)]
+    step = shape[dim] // count
+    return [_with(full, dim, t * step, (t + 1) * step)]
+
+
+def _to_hf(blocks, mbox: Box) -> Dict[str, List[Box]]:
+    """A Megatron box cut into HF boxes (rows through the row blocks; other dims unchanged)."""
+    out: Dict[str, List[Box]] = {}
+    (lo, hi), rest = mbox[0], mbox[1:]
+    offset = 0
+    for name, start, rows in blocks:
+        a, b = max(lo, offset), min(hi, offset + rows)
+        if a < b:
+            boxes = out.setdefault(name, [])
+            row = (start + a - offset, start + b - offset)
+            if boxes and boxes[-1][0][1] == row[0] and boxes[-1][1:] == rest:
+                boxes[-1] = ((boxes[-1][0][0], row[1]),) + rest  # adjacent rows: one box
+            else:
+                boxes.append((row,) + rest)
+        offset += rows
+    return out
+
+
+class _Rollout:
+    """SGLang's sharding rule (module docstring) for rollout TP rank j."""
+
+    def __init__(self, R, attention_dp, rollout_ep, head_dim, experts):
+        for name, v in (("attention_dp", attention_dp), ("rollout_ep", rollout_ep)):
+            if R % v:
+                raise ValueError(f"{name}={v} does not divide the rollout TP {R}")
+        if experts and experts % rollout_ep:
+            raise ValueError(f"rollout_ep={rollout_ep} does not divide the model's {experts} experts")
+        self.R, self.attn, self.moe_tp, self.ep = R, R // attention_dp, R // rollout_ep, rollout_ep
+        self.head_dim, self.experts = head_dim, experts
+
+    def need(self, name: str, shape) -> Tuple[List[Optional[Box]], bool]:
+        """(the box each rollout rank j loads, replicated?)."""
+        full, R = _full(shape), self.R
+        leaf = name.split(".")[-2] if name.count(".") else name
+        if leaf in ("embed_tokens", "lm_head"):
+            vocab = shape[0]
+            padded = -(-vocab // 64) * 64
+            if padded % R:
+                padded = -(-vocab // (64 * R)) * 64 * R
+            per = padded // R
+            return [_with(full, 0, j * per, min((j + 1) * per, vocab)) if j * per < vocab else None
+                    for j in range(R)], False
+        expert = ".experts." in name
+        if leaf in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            dim = 1 if leaf == "o_proj" else 0
+            return [_with(full, dim, *_chunk(shape[dim], self.attn, j % self.attn, name))
+                    for j in range(R)], False
+        if leaf in ("k_proj", "v_proj"):
+            heads, out = shape[0] // self.head_dim, []
+            for j in range(R):
+                i = j % self.attn
+                if heads >= self.attn:
+                    out.append(_with(full, 0, *_chunk(shape[0], self.attn, i, name)))
+                else:
+                    h = i // (self.attn // heads)
+                    out.append(_with(full, 0, h * self.head_dim, (h + 1) * self.head_dim))
+            return out, False
+        if leaf in ("gate_proj", "up_proj", "w1", "w3", "down_proj", "w2"):
+            dim = 1 if leaf in ("down_proj", "w2") else 0
+            tp = self.moe_tp if expert else R
+            return [_with(full, dim, *_chunk(shape[dim], tp, j % tp, name)) for j in range(R)], False
+        return [full] * R, True
+
+    def owner(self, members: int) -> Optional[np.ndarray]:
+        """(E, R): rollout rank j loads expert e when its MoE-EP rank owns e (None: all load all)."""
+        if self.ep == 1:
+            return None
+        per = self.experts // self.ep
+        return (np.arange(members)[:, None] // per) == (np.arange(self.R)[None, :] // self.moe_tp)
+
+
+def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_element: int = 2,
+                  bucket_megabytes: float = 512, attention_dp: int = 1, rollout_ep: int = 1,
+                  separate_pool: bool = False) -> TransferPlan:
+    """The transfer plan of `hf_config` trained at `layout` (parallel.mesh.Layout, world_size
+    set) into the rollout engines of `topology`: colocated (rollout GPU g is training rank g), or
+    with `separate_pool` on the ranks after the training ones (topology counts from 0 there)."""
+    W = layout.world_size
+    if not separate_pool and topology.world_size != W:
+        raise ValueError(f"colocated: the rollout topology covers {topology.world_size} ranks, "
+                         f"the training layout {W}")
+    layout.check(W)
+    spec = arch_spec(hf_config)
+    t = spec.transformer
+    L, experts = t["num_layers"], spec.num_experts or 0
+    tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp
+    S = W // pp                                 # ranks per stage
+    edp = S // (ep * etp)
+    R = topology.tp
+    offset = W if separate_pool else 0
+    receivers = offset + np.array([g.ranks for g in topology.groups])
+    rollout = _Rollout(R, attention_dp, rollout_ep, t.get("kv_channels") or 1, experts)
+    hf_shapes = expected_hf_tensors(hf_config)
+
+    memo: Dict[tuple, np.ndarray] = {}
+
+    def holders(stages, t_index, count, expert_owner=None):
+        """(M, h) ranks holding piece t_index: one array per distinct answer (plans key on it)."""
+        key = (tuple(stages), t_index, count, expert_owner is not None)
+        if key not in memo:
+            memo[key] = _holders(stages, t_index, count, expert_owner)
+        return memo[key]
+
+    def _holders(stages, t_index, count, expert_owner):
+        out = []
+        for p in stages:
+            if expert_owner is not None:   # (E,) EP rank of each expert
+                base = p * S + (t_index if count > 1 else 0) + etp * expert_owner
+                out.append(base[:, None] + etp * ep * np.arange(edp)[None, :])
+            elif count > 1:
+                out.append((p * S + t_index + tp * np.arange(S // tp))[None, :])
+            else:
+                out.append((p * S + np.arange(S))[None, :])
+        return np.concatenate(out, axis=1)
+
+    groups: List[_Group] = []
+    held = np.zeros(W)
+    pieces_count = 0
+    owner_of = np.arange(experts) // max(1, experts // ep) if experts else None
+    for gname, shape in global_shapes(hf_config).items():
+        m = _LAYER.match(gname)
+        e = _EXPERT.search(gname)
+        if e and e.group(1) != "0":
+            continue
+        rest = m.group(2) if m else gname
+        if m:
+            stages = [_stage_of(int(m.group(1)), L, pp, layout.vpp)]
+        elif gname.startswith("embedding"):
+            stages = sorted({0, pp - 1}) if spec.tie_word_embeddings else [0]
+        else:
+            stages = [pp - 1]
+        dim, gated = _training_split(rest)
+        count = (etp if e else tp) if dim is not None else 1
+        M = experts if e else 1
+        pieces_count += M * count
+        blocks = row_blocks(hf_config, gname)
+        per_hf: Dict[str, List[Tuple[Box, np.ndarray]]] = {}
+        for ti in range(count):
+            h = holders(stages, ti, count, owner_of if e else None)
+            for mbox in _megatron_boxes(shape, dim, gated, count, ti):
+                for name, boxes in _to_hf(blocks, mbox).items():
+                    for box in boxes:
+                        per_hf.setdefault(name, []).append((box, h))
+                        np.add.at(held, h.ravel(), _area(box) * bytes_per_element)
+        for name, pieces in per_hf.items():
+            hf_shape = hf_shapes[name]
+            needs, replicated = rollout.need(name, hf_shape)
+            names = ((name,) if not e else
+                     tuple(name.replace(".experts.0.", f".experts.{x}.", 1) for x in range(experts)))
+            groups.append(_Group(names, hf_shape, pieces, needs, rollout.owner(M) if e else None,
+                                 replicated))
+    return TransferPlan(groups, R=R, receivers=receivers, senders=W,
+                        n_gpus=W + (topology.world_size if separate_pool else 0),
+                        gpus_per_node=topology.gpus_per_node, elt=bytes_per_element,
+                        bucket=max(1, int(bucket_megabytes * (1 << 20))),
+                        megatron_pieces=pieces_count, held=held, separate_pool=separate_pool)
