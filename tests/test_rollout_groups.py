@@ -42,8 +42,8 @@ def _sglang_groups(tmp):
                          "actor_rollout_ref.rollout.name=sglang"], tmp)
         prompts = t.loader.next_batch()
         metrics = t.train_step(prompts)  # sync, generate, train: the whole step
-        t.sync_weights()                 # a second sync: every weight again, once
-        batch = t.generate(prompts, t._sampling(train=True))
+        t.ctx.sync_weights()                 # a second sync: every weight again, once
+        batch = t.ctx.generate(prompts, t.ctx.sampling(train=True))
         t.colocated.to_training()
         t.rollout.shutdown()
         return dict(records=list(sglang.RECORDS), dp_rank=ps.get_data_parallel_rank(),
@@ -115,8 +115,8 @@ def test_one_sglang_engine_per_group_through_the_trainer(tmp_path):
 def _cpu_rollout_tp(rollout_tp, tmp):
     t = _trainer(2, [f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}"], tmp)
     prompts = t.loader.next_batch()
-    t.sync_weights()
-    batch = t.generate(prompts, t._sampling(train=True))
+    t.ctx.sync_weights()
+    batch = t.ctx.generate(prompts, t.ctx.sampling(train=True))
     holds = t.rollout.engine is not None
     t.colocated.to_training()
     return dict(responses=batch["responses"].tolist(), logps=batch["rollout_log_probs"].tolist(),
@@ -140,8 +140,8 @@ def _route_bytes(world, tmp):
                          "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                          "actor_rollout_ref.rollout.n=4"], tmp)
     prompts = t.loader.next_batch()
-    t.sync_weights()
-    t.generate(prompts, t._sampling(train=True))
+    t.ctx.sync_weights()
+    t.ctx.generate(prompts, t.ctx.sampling(train=True))
     t.colocated.to_training()
     return t.rollout.route_bytes
 
