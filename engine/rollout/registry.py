@@ -7,7 +7,7 @@ imports them all (none imports its GPU library at module level).
 config ('auto' resolved, a backend the device cannot run refused) and, with `here`, whether this
 machine can run it; `sglang_installed` / `sglang_test_double` / `sglang_runs_here` are the only
 answers to "is sglang importable / its CPU double / able to serve here". Callers: the config's
-validation and derivation (engine/config/validate.py, derive.py: also tools/plan.py through
+validation and derivation (engine/config/validate.py, devices.py: also tools/plan.py through
 derive), engine/train.py before any model is built, `make_rollout`, and tools/gpu_check.sh's
 choice of rollout.
 
