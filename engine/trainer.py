@@ -137,6 +137,7 @@ class Trainer(Loop):
         timings = ctx.begin_step()
         with Timer("step", timings):
             batch, metrics = self.experience.collect(ctx, prompts)  # update_weights, gen (...)
+            batch = ctx.balance(batch, metrics)  # trainer.balance_batch: even tokens per DP rank
             if "token_level_scores" not in batch:  # else logged, or scored by the source
                 metrics.update(ctx.reward_metrics(ctx.score(batch)))  # reward
             if self.ref is not None and self.flags.full_kl_in_reward:

@@ -413,6 +413,10 @@ class TrainerConfig:
     save_hf: bool = False
     log_dir: Optional[str] = None  # null: logs/{project_name}/{experiment_name}
     profile_comm: bool = False  # time spent blocked in collectives per phase (perf/comm_s/*)
+    # even tokens per DP rank: whole prompt groups reordered over the DP ranks after generation,
+    # every global mini-batch unchanged (engine/experience/balance.py; global_seqlen/* metrics).
+    # verl's default is true; ours is off: it changes which rank holds which rows. Enable it
+    balance_batch: bool = False
     seed: int = 1
     # Never lose a run (engine/trainer.py, engine/workers/template.py):
     oom_retry: int = 2                # out of memory in a micro-batch: retries at half the size (0: off)

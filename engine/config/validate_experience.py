@@ -29,7 +29,8 @@ def validate_experience(cfg: TridentConfig) -> None:
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
                           ("algorithm.rollout_correction.rollout_is", rc.rollout_is is not None),
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
-                          ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
+                          ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable),
+                          ("trainer.balance_batch", cfg.trainer.balance_batch)):
             if set_:
                 fail(key, _value(cfg, key), f"a PPO key; trainer.task={cfg.trainer.task!r} trains "
                      "on preference pairs; remove it")

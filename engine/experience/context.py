@@ -15,7 +15,8 @@ land in `timings` as `timing_s/<name>`. Phases nest (a separate pool's weight se
 generation, the reference pass inside an implicit reward model's scoring): leaving an inner
 phase puts memory, the launcher's and the fault hooks' phase back to the outer one's.
 
-Tests: tests/test_step_context.py, tests/test_trainer_paths.py, tests/test_layering.py
+Tests: tests/test_step_context.py, tests/test_trainer_paths.py, tests/test_layering.py,
+tests/test_balance_batch.py
 """
 import contextlib
 import dataclasses
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional
 
 from engine import faults
 from engine.config.phases import PHASE_NAMES, PHASES
+from engine.experience.balance import balance_batch
 from engine.experience.scoring import reward_extra_metrics, score_once_per_replica
 from engine.metrics import Timer
 from engine.phase import set_phase
@@ -146,6 +148,18 @@ class StepContext:
         got = self.rollout.generate_for_replicas(list(prompts.input_ids), list(prompts.indices),
                                                  sampling, generate=self.run_engine)
         return self.layout(prompts, got, n=sampling.n if n is None else n)
+
+    def balance(self, batch, metrics):
+        """trainer.balance_batch: the step's whole prompt groups reordered over the DP ranks so
+        their token counts are even, every global mini-batch unchanged (engine/experience/
+        balance.py; collective over the DP group); global_seqlen/* into `metrics`. Off: `batch`."""
+        if not self.cfg.trainer.balance_batch:
+            return batch
+        plans = [self.derived.actor] + ([self.derived.critic] if self.derived.critic is not None else [])
+        with Timer("balance_batch", self.timings):
+            batch, stats = balance_batch(batch, [p.mini_batch_size_per_rank for p in plans])
+        metrics.update(stats)
+        return batch
 
     # -- rewards --------------------------------------------------------------------------
     def score(self, batch):

@@ -9,7 +9,8 @@ an update, with the two guards every update needs:
   batching gives way to micro-batches of half the rows), up to `oom_retries` times; the size
   that worked is kept for the next steps (`worker.split`).
 
-Tests: tests/test_ppo_update.py, tests/test_dp_invariance.py, tests/test_faults.py
+Tests: tests/test_ppo_update.py, tests/test_dp_invariance.py, tests/test_faults.py,
+tests/test_balance_batch.py
 """
 from collections import defaultdict
 
@@ -58,7 +59,15 @@ def _halved(worker, mini, split):
                        "data.max_response_length or raise the model's parallelism (TP / PP / CP)")
 
 
-def mini_batch_rows(n, size, *, epoch=0, shuffle=False, seed=0):
+def mini_batch_layout(n, size):
+    """(m, strided): a rank's n rows make m mini-batches of `size` rows; strided (mini_batch_rows):
+    runs of m consecutive rows give one row each to every mini-batch, else contiguous chunks."""
+    size = size or n
+    m = -(-n // size)
+    return m, not n % size and m > 1
+
+
+def mini_batch_rows(n, size, *, epoch=0, shuffle=False, seed=0, positions=None):
     """This DP rank's rows (of its n) in each mini-batch of `size` rows per rank, such that
     mini-batch k holds the same rows of the global batch at every DP size.
 
@@ -66,17 +75,20 @@ def mini_batch_rows(n, size, *, epoch=0, shuffle=False, seed=0):
     would put other global rows together at DP 2 than at DP 1. Instead, with m = n / size
     mini-batches, each run of m consecutive global rows gives one row to every mini-batch
     (a rank's n rows are whole runs): by position, or with `shuffle` by the order of keys drawn
-    for every global row from (seed + epoch). n not a multiple of size: contiguous chunks."""
+    for every global row from (seed + epoch). n not a multiple of size: contiguous chunks.
+    `positions`: the global rows whose keys order this rank's rows (default its contiguous
+    shard; trainer.balance_batch moves whole runs between ranks and keeps their rows')."""
+    m, strided = mini_batch_layout(n, size)
     size = size or n
-    m = n // size
-    if n % size or m <= 1:
+    if not strided:
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
     order = torch.arange(n).view(size, m)  # [run, place in run]
     if shuffle:
         from megatron.core import parallel_state as ps
         dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         keys = torch.rand(dp * n, generator=torch.Generator().manual_seed(seed + epoch))
-        order = order.gather(1, keys[rank * n:(rank + 1) * n].view(size, m).argsort(dim=1))
+        mine = keys[rank * n:(rank + 1) * n] if positions is None else keys[torch.as_tensor(positions).cpu()]
+        order = order.gather(1, mine.view(size, m).argsort(dim=1))
     return [order[:, k].tolist() for k in range(m)]
 
 
@@ -98,7 +110,7 @@ def train_epochs(worker, batch, loss_head, reduce, *, epochs, mini_size, respons
     n = len(batch)
     for epoch in range(epochs):
         for rows in mini_batch_rows(n, mini_size, epoch=epoch, shuffle=order_seed is not None,
-                                    seed=order_seed or 0):
+                                    seed=order_seed or 0, positions=batch["step_row"] if "step_row" in batch else None):
             mini = batch.index_select(rows)
             norm = global_counts(LossNormaliser.from_mask(mini["response_mask"], response_length),
                                  ps.get_data_parallel_group())
