@@ -230,3 +230,22 @@ def test_recipes_at_scale(name, world):
         shape = expected_hf_tensors(hf)[n]
         assert all(t.nbytes == math.prod(shape) * 2 // R for t in ts)
         assert {(t.sender % S) // layout.expert_tp % ep for t in ts} == {e // (experts // ep)}
+
+
+def test_planner_reports_the_weight_sync_of_the_recipes():
+    """tools/plan.py's `weight_sync` (its --json section and report line) for the shipped MoE
+    recipes: today vs planned, seconds scaling with the stated link bandwidths."""
+    from engine.config import load_config
+    from tools.plan import estimate, weight_sync
+
+    for recipe, world in (("deepseek_v3_671b_grpo", 256), ("qwen3_30b_a3b_grpo", 16)):
+        cfg = load_config(os.path.join(ROOT, "recipes", f"{recipe}.yaml"), [])
+        e = estimate(cfg, world, 141, "cuda")
+        w = weight_sync(cfg, e, 400, 50)
+        slow = weight_sync(cfg, e, 200, 25)
+        for side in ("today", "planned"):
+            assert {"recv_gb_max", "recv_gb_mean", "sent_gb_max", "sent_gb_mean", "messages",
+                    "seconds"} <= set(w[side])
+            assert slow[side]["seconds"] == pytest.approx(2 * w[side]["seconds"], rel=1e-3)
+        assert w["planned"]["recv_gb_max"] <= 1.1 * w["model_gb"] / w["rollout_tp"] + w["replicated_gb"]
+        assert w["planned"]["seconds"] < w["today"]["seconds"] / 5

@@ -4,7 +4,9 @@
 
 What one model holds per rank (weights, grads, optimizer, activations by Korthikanti et al.)
 is tools/plan_memory.py's; this file adds the phases of the memory schedule
-(engine/config/phases.py), the rollout engines and the layout search.
+(engine/config/phases.py), the rollout engines, the layout search, and one weight sync
+(engine/rollout/transfer.py: today's bytes per GPU vs the transfer plan's, messages, and the
+time estimated from --nvlink-gbps / --internode-gbps).
 
 The rollout engines (SGLang) start before the training models, on a device holding only the
 CUDA context and NCCL buffers (RESERVE_GIB), and size their KV pool as SGLang does from what is
@@ -16,7 +18,7 @@ its cache was last handed back to the device (before every rollout resume: engin
 cache_emptied). A layout fits when every phase's reserved memory fits under the GPU memory less
 RESERVE_GIB (CUDA context, NCCL buffers, allocator fragmentation).
 
-Tests: tests/test_plan.py, tests/test_phases.py, tests/test_recipes.py
+Tests: tests/test_plan.py, tests/test_phases.py, tests/test_recipes.py, tests/test_transfer_plan.py
 """
 import json
 import math
@@ -195,6 +197,27 @@ def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: s
     return out
 
 
+def weight_sync(cfg, e, nvlink_gbps: float = 400.0, internode_gbps: float = 50.0) -> dict:
+    """One weight sync of the recipe at the estimate `e`'s layout (engine/rollout/transfer.py):
+    today (every GPU receives the whole model) vs the transfer plan (each rollout GPU receives
+    only its slices, from a training rank that holds them): GB received / sent per GPU (max,
+    mean), messages, estimated seconds from the link bandwidths (GB/s per GPU)."""
+    from engine.config.devices import rollout_topology_of
+    from engine.rollout.transfer import transfer_plan
+    from parallel.mesh import Layout
+
+    arr = cfg.actor_rollout_ref
+    hf = hf_config_of(arr.model)
+    lay = e["layout"]
+    layout = Layout(world_size=e["world_size"], **{k: lay[k] for k in (
+        "tp", "pp", "vpp", "cp", "ep", "etp", "sequence_parallel")})
+    topo = rollout_topology_of(cfg, e["world_size"], num_attention_heads=shape_of(hf).a)
+    plan = transfer_plan(hf, layout, topo, bytes_per_element=DTYPE_BYTES[arr.actor.megatron.params_dtype],
+                         bucket_megabytes=arr.rollout.update_weights_bucket_megabytes,
+                         separate_pool=cfg.trainer.rollout_pool == "separate")
+    return plan.summary(nvlink_gbps, internode_gbps)
+
+
 # --------------------------------------------------------------------------------------------
 # Layout search
 # --------------------------------------------------------------------------------------------
@@ -330,6 +353,13 @@ def _report(e):
     if e["host"]:
         lines.append(f"  host memory per last-stage rank: reference hidden states + weight shard "
                      f"(exact KL) {_gib(e['host']['ref_hidden'])}")
+    if "weight_sync" in e:
+        w = e["weight_sync"]
+        t, p = w["today"], w["planned"]
+        lines.append(f"  weight sync per step (est. at NVLink {w['nvlink_gbps']:g} / network "
+                     f"{w['internode_gbps']:g} GB/s per GPU): today {t['recv_gb_max']:.1f} GB received per "
+                     f"GPU, {t['seconds']:.2f} s; transfer plan {p['recv_gb_max']:.1f} GB (max), "
+                     f"{p['messages']} messages, {p['seconds']:.2f} s")
     lines += [f"  capacity       {_gib(e['capacity'])}  free {_gib(e['free'])}  -> "
               f"{'fits' if e['fits'] else 'DOES NOT FIT'}"]
     return "\n".join(lines)
@@ -355,6 +385,10 @@ def _main(argv=None):
     p.add_argument("--exact", action="store_true",
                    help="also build rank 0 and the last stage on the meta device and show their counts")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON (memory in GiB)")
+    p.add_argument("--nvlink-gbps", type=positive(float, "GB/s of NVLink per GPU, e.g. 400"), default=400.0,
+                   help="NVLink bandwidth per GPU inside a node, GB/s, for the weight-sync time (default 400)")
+    p.add_argument("--internode-gbps", type=positive(float, "GB/s of network per GPU, e.g. 50"), default=50.0,
+                   help="network bandwidth per GPU between nodes, GB/s, for the weight-sync time (default 50)")
     a = p.parse_args(argv)
     if a.json:
         check_output_file(a.json, "--json")
@@ -367,6 +401,7 @@ def _main(argv=None):
                               f"(trainer.n_gpus_per_node); use a multiple of {node}")
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = world // node, node
     e = estimate(cfg, world, a.gpu_mem, a.device)
+    e["weight_sync"] = weight_sync(cfg, e, a.nvlink_gbps, a.internode_gbps)
     print(_report(e))
     if a.json:
         with open(a.json, "w") as f:
