@@ -50,7 +50,7 @@ def build_offline(cfg, world_size):
                     num_experts=spec.num_experts or 0,
                     num_attention_heads=hf_config.num_attention_heads)
     steps = cfg.trainer.total_training_steps
-    pad = pad_token_id(tokenizer)
+    pad = pad_token_id(tokenizer)  # the run's pad id, once: the workers and the trainer get this one
     ref = None
     if cfg.trainer.task == "reward_model":
         model = RewardModelTrainWorker(hf_config, arr.actor, arr.model, total_steps=steps,
@@ -75,7 +75,7 @@ def build_offline(cfg, world_size):
         checkpoints = CheckpointManager(t.default_local_dir, keep_last=t.max_actor_ckpt_to_keep,
                                         verify=t.checkpoint_verify)
     kw = dict(tokenizer=tokenizer, hf_config=hf_config, train_data=train_data,
-              val_data=val_data, model=model, checkpoints=checkpoints)
+              val_data=val_data, model=model, pad_id=pad, checkpoints=checkpoints)
     if cfg.trainer.task == "reward_model":
         return RewardModelTrainer(derived, **kw)
     return DPOTrainer(derived, ref=ref, **kw)

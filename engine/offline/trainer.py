@@ -20,7 +20,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.algorithms.pair_losses import bradley_terry_loss, dpo_loss
-from engine.data import pad_token_id
 from engine.data.preference import PairLoader, pair_batch
 from engine.loop import Loop
 from engine.metrics import Timer, compute_throughput_metrics
@@ -30,13 +29,13 @@ from engine.workers.pairs import sequence_log_probs
 class OfflineTrainer(Loop):
     worker_name = "actor"  # the checkpoint directory of the trained model
 
-    def __init__(self, derived, *, tokenizer, hf_config, train_data, val_data, model,
+    def __init__(self, derived, *, tokenizer, hf_config, train_data, val_data, model, pad_id,
                  checkpoints=None):
         super().__init__(derived.config, checkpoints=checkpoints)
         cfg = self.cfg
         self.tokenizer, self.hf_config, self.model = tokenizer, hf_config, model
         self.train_data, self.val_data = train_data, val_data
-        self.pad_id = pad_token_id(tokenizer)
+        self.pad_id = pad_id  # the run's, decided once by the builder (engine/offline/build.py)
         self.loader = PairLoader(train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                  seed=cfg.data.seed, prefetch=cfg.data.dataloader_num_workers)
         self.mini_pairs = derived.actor.mini_batch_size_per_rank
