@@ -176,7 +176,8 @@ def test_plan_matches_ground_truth(case, shards):
     assert not got, f"slices sent to GPUs that do not load them: {sorted(got)[:3]}"
     # every sender holds what it sends, by parallel.shards' rule on the real build
     ranks = shards[(model, json.dumps(lay, sort_keys=True))]
-    read = lambda n: torch.from_numpy(values[n])
+    def read(n):
+        return torch.from_numpy(values[n])
     globals_ = {n: megatron_from_hf(hf, n, read)[...] for n in global_shapes(hf)}
     held = [set(np.concatenate([s.take(globals_[s.global_name]).numpy().ravel() for s in rank]).tolist())
             for rank in ranks]

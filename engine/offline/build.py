@@ -4,6 +4,8 @@ layout, the trained model (and the DPO reference), checkpoints; returns the trai
 The trained model is `actor_rollout_ref.model` with the actor's optim / megatron / micro-batch
 keys (micro-batch sizes count pairs); a reward model gets the scalar head (a sequence-
 classification checkpoint's `score.weight` when the path has one, else a fresh head).
+
+Tests: tests/test_offline_trainers.py, tests/test_offline_layouts.py, tests/test_offline_pipeline.py
 """
 from engine.data import pad_token_id, truncation_of
 from engine.data.preference import PreferenceDataset, arith_pairs

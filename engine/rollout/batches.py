@@ -1,6 +1,9 @@
 """From the rollout to training: sampling parameters from the config, and the routed responses of
 this DP replica's prompts laid out as a training Batch (verl's layout: prompt left-padded,
-response right-padded)."""
+response right-padded).
+
+Tests: tests/test_trainer_paths.py, tests/test_rollout_groups.py, tests/test_offline_ppo.py
+"""
 import torch
 
 from engine.batch import Batch

@@ -5,6 +5,8 @@ The model is built from its config with every parameter on the meta device (buff
 as RoPE frequencies are computed for real), so building costs no weight memory. Storage
 for the weights is allocated once per resume and weights are copied into it, so the
 process holds exactly one copy of them.
+
+Tests: tests/test_rollout_cpu.py, tests/test_reshard.py, tests/test_router_replay.py, tests/test_device_stack.py
 """
 from __future__ import annotations
 

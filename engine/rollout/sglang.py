@@ -9,6 +9,9 @@ imported only when an engine is built, so nothing on a CPU machine imports it.
 
 Every sglang name this file relies on is listed in ``USED_API``;
 tests/test_sglang_contract.py checks each against the source of the pinned wheel.
+
+Tests: tests/test_sglang_contract.py, tests/test_sglang_double.py, tests/test_fp8_checkpoint.py,
+tests/gpu/test_sglang_gpu.py
 """
 from __future__ import annotations
 

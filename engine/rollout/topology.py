@@ -15,6 +15,8 @@ that node with `node_rank`, and all of them meet at `dist_init_addr`.
 
 `route_plan` splits a step's prompts over the groups (generation) and over the DP replicas
 (training): each leader sends each replica exactly the responses of the prompts it trains on.
+
+Tests: tests/test_rollout_topology.py, tests/test_sglang_double.py, tests/test_transfer_plan.py
 """
 from __future__ import annotations
 

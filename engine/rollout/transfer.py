@@ -67,9 +67,9 @@ Box = Tuple[Tuple[int, int], ...]  # [start, stop) per dimension of the HF tenso
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-_COL0 = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight", "linear_q_down_proj.weight",
-         "linear_q_up_proj.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
-         "linear_fc1.weight")
+_COL0 = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+         "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+         "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "linear_fc1.weight")
 _COL1 = ("linear_proj.weight", "linear_fc2.weight")
 GB = 1e9
 
@@ -255,7 +255,8 @@ class TransferPlan:
                      sent_gb_max=today_recv.max() / GB, sent_gb_mean=today_recv.mean() / GB,
                      messages=self.megatron_pieces, messages_per_gpu_max=self.megatron_pieces,
                      seconds=float(today_recv.max() / rate))
-        r = lambda d: {k: (round(float(v), 3) if isinstance(v, float) else v) for k, v in d.items()}
+        def r(d):
+            return {k: (round(float(v), 3) if isinstance(v, float) else v) for k, v in d.items()}
         return dict(model_gb=round(self.model_bytes / GB, 3),
                     replicated_gb=round(self.replicated_bytes / GB, 3),
                     rollout_tp=self.R, engines=self.engines, separate_pool=self.separate_pool,
@@ -380,7 +381,7 @@ def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_ele
     spec = arch_spec(hf_config)
     t = spec.transformer
     L, experts = t["num_layers"], spec.num_experts or 0
-    tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp
+    tp, pp, ep, etp = layout.tp, layout.pp, layout.ep, layout.expert_tp
     S = W // pp                                 # ranks per stage
     edp = S // (ep * etp)
     R = topology.tp

@@ -12,6 +12,8 @@ own ``init_custom_process_group`` calls.
 Assignment: engine g of G is fed by training rank g * T // G (spread over the training ranks,
 hence over their nodes); a training rank feeding several engines reaches them all with one
 broadcast, engine k of its group joining at rank_offset 1 + the TP sizes of the engines before it.
+
+Tests: tests/test_rollout_pool.py, tests/test_sglang_contract.py, tests/gpu/test_update_group_gpu.py
 """
 from __future__ import annotations
 
