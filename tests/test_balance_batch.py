@@ -95,6 +95,15 @@ def test_slot_classes_are_kept():
     assert max(plan.after) < max(plan.before)
 
 
+def test_offline_tasks_refuse_it_and_ppo_reads_it():
+    from engine.config import ConfigError, load_config
+    base = ["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"]
+    with pytest.raises(ConfigError, match="trainer.balance_batch=True: a PPO key"):
+        load_config(DEMO, ["trainer.task=dpo", "trainer.balance_batch=true", *base])
+    assert load_config(DEMO, ["trainer.balance_batch=true"]).trainer.balance_batch is True
+    assert load_config(DEMO, []).trainer.balance_batch is False  # verl's default is true; ours is off
+
+
 # -- the move, on 2 gloo ranks ----------------------------------------------------------------------
 def _move_on_ranks(lengths):
     import torch.distributed as dist
