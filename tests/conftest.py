@@ -26,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def grpo_run(tmp_path_factory):
+    """One `torchrun -m engine.train` GRPO run of the tiny recipe (tests/test_e2e.py's GRPO_RUN:
+    4 steps, checkpoints at steps 2 and 4, validation at step 4, HF export, the distributed
+    optimizer), read by every test that needs that run as it is: test_e2e's estimator test (its
+    grpo case) and killed-run resume test (the uninterrupted run), test_launch_ray (the torchrun
+    side). Returns (root, console output, metrics records); the run is root/{ckpt,logs}/grpo."""
+    from tests.test_e2e import GRPO_RUN, GRPO_STEPS, _run
+    root = tmp_path_factory.mktemp("grpo_run")
+    out, records = _run(root, "grpo", GRPO_RUN, steps=GRPO_STEPS)
+    return root, out, records

@@ -44,17 +44,29 @@ def _records(tmp_path, name):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# One GRPO run serves several tests (tests/conftest.py's grpo_run): the estimator test's grpo case,
+# the uninterrupted run the killed run must match, and test_launch_ray's torchrun side.
+GRPO_RUN = ["algorithm.adv_estimator=grpo", "trainer.save_freq=2", "trainer.test_freq=4",
+            "trainer.save_hf=true", "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
+GRPO_STEPS = 4
+
+
 @pytest.mark.parametrize("estimator,extra", [
-    ("grpo", []),
+    ("grpo", []),  # the shared GRPO_RUN
     ("rloo", ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]),  # on-policy: no old-log-prob pass
     ("gae", ["critic.ppo_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=true",
              "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=false"]),
 ])
-def test_each_estimator_runs_three_steps_with_its_metrics_and_validation(tmp_path, estimator, extra):
-    out, records = _run(tmp_path, estimator, [f"algorithm.adv_estimator={estimator}",
-                                              "trainer.save_freq=-1", "trainer.test_freq=3",
-                                              *extra])
-    assert [r["step"] for r in records] == [1, 2, 3]
+def test_each_estimator_runs_its_steps_with_its_metrics_and_validation(tmp_path, request, estimator, extra):
+    if estimator == "grpo":  # the recipe's estimator: the shared GRPO run (4 steps, validation at 4)
+        root, out, records = request.getfixturevalue("grpo_run")
+        steps = GRPO_STEPS
+    else:
+        root, steps = tmp_path, 3
+        out, records = _run(tmp_path, estimator, [f"algorithm.adv_estimator={estimator}",
+                                                  "trainer.save_freq=-1", "trainer.test_freq=3",
+                                                  *extra], steps=steps)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     last = records[-1]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
                 "actor/grad_norm", "timing_s/gen", "timing_s/update_actor", "timing_s/step",
@@ -67,8 +79,8 @@ def test_each_estimator_runs_three_steps_with_its_metrics_and_validation(tmp_pat
     assert all(r["actor/grad_norm"] > 0 for r in records)
     # one mini-batch per step without KL in the reward: the update's forward gives old log-probs
     assert ("timing_s/old_log_prob" in last) == (estimator != "rloo")
-    assert "step 3/3" in out  # the console progress line
-    tb = list((tmp_path / "logs" / estimator).glob("events.out.tfevents.*"))
+    assert f"step {steps}/{steps}" in out  # the console progress line
+    tb = list((root / "logs" / estimator).glob("events.out.tfevents.*"))
     assert tb, "TensorBoard event file missing"
 
 
@@ -111,12 +123,12 @@ def _kill_after_checkpoint(tmp_path, name, extra, steps, step):
     psutil.wait_procs([p for p in map(_process_or_none, victims) if p], timeout=30)
 
 
-def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
+def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path, grpo_run):
     """A run SIGKILLed during step 3 (after the step-2 checkpoint) and resumed gives, at step 4,
-    the same metrics and bit-identical weights as a run that was never interrupted."""
-    common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true",
-              "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
-    _, straight = _run(tmp_path, "straight", common, steps=4)
+    the same metrics and bit-identical weights as a run that was never interrupted (the shared
+    GRPO run: same settings)."""
+    common = GRPO_RUN
+    straight_root, _, straight = grpo_run
 
     _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
     assert not (tmp_path / "ckpt" / "killed" / "hf" / "step_4").exists()
@@ -128,12 +140,12 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
 
     from safetensors.torch import load_file
-    def weights(name):
+    def weights(root, name):
         out = {}
-        for f in sorted((tmp_path / "ckpt" / name / "hf" / "step_4").glob("*.safetensors")):
+        for f in sorted((root / "ckpt" / name / "hf" / "step_4").glob("*.safetensors")):
             out.update(load_file(str(f)))
         return out
-    a, b = weights("straight"), weights("killed")
+    a, b = weights(straight_root, "grpo"), weights(tmp_path, "killed")
     assert a.keys() == b.keys() and a
     import torch
     assert all(torch.equal(a[k], b[k]) for k in a)

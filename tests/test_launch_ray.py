@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine.launch_ray import Placement, assign_ranks
-from tests.test_e2e import ROOT, TINY, _records, _run
+from tests.test_e2e import GRPO_RUN, GRPO_STEPS, ROOT, TINY, _records
 
 VARYING = ("timing_s/", "perf/")  # wall-clock and memory figures differ run to run
 
@@ -42,19 +42,20 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
-def test_ray_run_gives_torchrun_metrics(tmp_path, ray_ok):
-    extra = ["trainer.save_freq=-1", "trainer.test_freq=2"]
-    _, torchrun = _run(tmp_path, "torchrun", extra, steps=2)
-    done = subprocess.run(_ray_cmd(tmp_path, "ray", 2, extra), cwd=tmp_path, env=_env(),
+def test_ray_run_gives_torchrun_metrics(tmp_path, ray_ok, grpo_run):
+    """The torchrun side is the shared GRPO run (tests/conftest.py): 4 steps, checkpoints at 2
+    and 4, validation at 4; the Ray run takes the same settings."""
+    _, _, torchrun = grpo_run
+    done = subprocess.run(_ray_cmd(tmp_path, "ray", GRPO_STEPS, GRPO_RUN), cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "[rank 0] step 2/2" in done.stdout  # rank-prefixed logs reach the driver
+    assert f"[rank 0] step {GRPO_STEPS}/{GRPO_STEPS}" in done.stdout  # rank-prefixed logs reach the driver
     ray = _records(tmp_path, "ray")
-    assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == [1, 2]
+    assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == list(range(1, GRPO_STEPS + 1))
     for a, b in zip(torchrun, ray):
         keys = {k for k in a if not k.startswith(VARYING)}
         assert keys == {k for k in b if not k.startswith(VARYING)}
-        assert "actor/pg_loss" in keys and ("val/score/mean" in keys) == (a["step"] == 2)
+        assert "actor/pg_loss" in keys and ("val/score/mean" in keys) == (a["step"] == GRPO_STEPS)
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-12), (a["step"], k)
 
