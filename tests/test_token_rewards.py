@@ -56,8 +56,15 @@ def _scores(tmp, *extra):
     batch, _ = t.experience.collect(t.ctx, prompts)
     extra_info = t.ctx.score(batch)  # the reward phase
     scores = batch["token_level_scores"]
+    kl_passes = []  # the step's own reference pass (for a KL term), apart from the implicit reward's
+    real = t.reference_pass
+
+    def counted(batch):
+        kl_passes.append(1)
+        return real(batch)
+    t.reference_pass = counted
     metrics = t.train_step(t.loader.next_batch())  # and a whole step through it
-    return dict(scores=scores, model_score=extra_info["model_score"], metrics=metrics,
+    return dict(scores=scores, model_score=extra_info["model_score"], metrics=metrics, kl_passes=len(kl_passes),
                 **{k: batch[k] for k in ("input_ids", "attention_mask", "responses", "response_mask")},
                 ground_truth=list(batch["ground_truth"]))
 
@@ -121,4 +128,4 @@ def test_implicit_is_the_dpo_log_ratio_per_token_plus_the_rule_reward(models):
         torch.testing.assert_close(r["scores"], want, atol=2e-5, rtol=1e-4)
         assert r["model_score"] == pytest.approx((want - rule).sum(-1).tolist(), abs=1e-4)
         assert float((want - rule).abs().sum()) > 0.1  # the two models differ
-        assert "actor/pg_loss" in r["metrics"] and "timing_s/ref" not in r["metrics"]  # no KL: no extra ref pass
+        assert "actor/pg_loss" in r["metrics"] and r["kl_passes"] == 0  # no KL: no extra ref pass
