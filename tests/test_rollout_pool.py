@@ -46,14 +46,37 @@ def _weights(tmp_path, name, step):
 POOL = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=2"]
 
 
-def test_separate_pool_trains_like_colocated(tmp_path):
-    colocated = _run(tmp_path, "colocated", 2, [])
-    pool = _run(tmp_path, "pool", 4, POOL)
+# a score that depends on which prompt's ground truth a response is paired with, and on the text
+PAIRING_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return ((31 * sum(map(ord, solution_str)) + sum(map(ord, str(ground_truth)))) % 97) / 97.0
+'''
+
+
+@pytest.fixture(scope="module")
+def colocated_and_pool(tmp_path_factory):
+    """One colocated run (2 ranks) and one on a separate pool (2 training + 2 rollout ranks) of
+    the same 3 steps, read by the training comparison and the validation one: both validate
+    before training and after step 3 with val_kwargs.n=3 sampled responses per prompt, scored by
+    PAIRING_REWARD. Returns (root, colocated records, pool records)."""
+    tmp = tmp_path_factory.mktemp("pool")
+    (tmp / "reward.py").write_text(PAIRING_REWARD)
+    v = "actor_rollout_ref.rollout.val_kwargs"
+    val = ["trainer.test_freq=3", "trainer.val_before_train=true", f"{v}.n=3", f"{v}.do_sample=true",
+           f"{v}.temperature=1.0",
+           f"custom_reward_function.path={tmp}/reward.py", "data.val_batch_size=null"]
+    return tmp, _run(tmp, "colocated", 2, val), _run(tmp, "pool", 4, POOL + val)
+
+
+def test_separate_pool_trains_like_colocated(colocated_and_pool):
+    tmp, colocated, pool = colocated_and_pool
+    colocated, pool = ([r for r in records if r["step"] > 0] for records in (colocated, pool))
+    assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2, 3]
     for a, b in zip(colocated, pool):  # the same responses (keyed sampling), log-probs, updates
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
         assert b["rollout/staleness"] == 0
-    a, b = _weights(tmp_path, "colocated", 3), _weights(tmp_path, "pool", 3)
+    a, b = _weights(tmp, "colocated", 3), _weights(tmp, "pool", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -143,26 +166,13 @@ def test_a_worker_that_never_joins_is_named_with_the_address_and_the_wait():
         open_as_sender(address, port, 2, "trident-weights-0", "gloo", timeout_s=2)
 
 
-# a score that depends on which prompt's ground truth a response is paired with, and on the text
-PAIRING_REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return ((31 * sum(map(ord, solution_str)) + sum(map(ord, str(ground_truth)))) % 97) / 97.0
-'''
-
-
-def test_pool_validation_with_several_samples_per_prompt_scores_them_against_their_prompt(tmp_path):
+def test_pool_validation_with_several_samples_per_prompt_scores_them_against_their_prompt(colocated_and_pool):
     """val_kwargs.n=3 sampled: the pool's validation gives the colocated run's scores (each
     response scored against its own prompt's ground truth, n per prompt counted)."""
-    (tmp_path / "reward.py").write_text(PAIRING_REWARD)
-    v = "actor_rollout_ref.rollout.val_kwargs"
-    val = ["trainer.test_freq=1", "trainer.val_before_train=true", f"{v}.n=3", f"{v}.do_sample=true",
-           f"{v}.temperature=1.0",
-           f"custom_reward_function.path={tmp_path}/reward.py", "data.val_batch_size=null"]
-    colocated = _run(tmp_path, "val_colocated", 2, val, steps=1)
-    pool = _run(tmp_path, "val_pool", 4, POOL + val, steps=1)
+    _, colocated, pool = colocated_and_pool
     a = [r for r in colocated if "val/score/mean" in r]
     b = [r for r in pool if "val/score/mean" in r]
-    assert len(a) == len(b) == 2  # before training and after step 1
+    assert len(a) == len(b) == 2  # before training and after step 3
     for x, y in zip(a, b):
         assert x["val/score/mean"] == pytest.approx(y["val/score/mean"], rel=1e-9), (x, y)
     assert len({round(r["val/score/mean"], 9) for r in a}) == 2  # the update moved the responses
