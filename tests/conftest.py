@@ -39,3 +39,14 @@ def grpo_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_run")
     out, records = _run(root, "grpo", GRPO_RUN, steps=GRPO_STEPS)
     return root, out, records
+
+
+@pytest.fixture(scope="session")
+def sglang_colocated_run(tmp_path_factory):
+    """One torchrun run of the tiny recipe with a colocated SGLang engine of TP 2 (the recording
+    double in tests/fakes, its log in root/colocated.sglang), 3 steps, HF export: the run a
+    separate pool must match (test_rollout_pool) and the one whose engine must start under
+    torchrun (test_sglang_double). Returns (root, metrics records)."""
+    from tests.test_rollout_pool import SGLANG_TP2, _run
+    root = tmp_path_factory.mktemp("sglang_colocated")
+    return root, _run(root, "colocated", 2, SGLANG_TP2, sglang=True)

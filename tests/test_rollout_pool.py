@@ -105,17 +105,21 @@ def _syncs(records, rank):
     return out
 
 
-def test_sglang_pool_gets_weights_over_the_update_group(tmp_path):
+SGLANG_TP2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+
+
+def test_sglang_pool_gets_weights_over_the_update_group(tmp_path, sglang_colocated_run):
     """2 training + 2 pool ranks, one SGLang engine of TP 2 fed by training rank 0 (rank 1 feeds
     none): the same steps, weights and per-sync engine weights as the colocated run's CUDA-IPC
-    hand-off, with the group set up once and no tensor crossing the bridge."""
-    tp2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
-    colocated = _run(tmp_path, "colocated", 2, tp2, sglang=True)
-    pool = _run(tmp_path, "pool", 4, POOL + tp2, sglang=True)
+    hand-off (tests/conftest.py's sglang_colocated_run: the same settings, colocated), with the
+    group set up once and no tensor crossing the bridge."""
+    root, colocated = sglang_colocated_run
+    pool = _run(tmp_path, "pool", 4, POOL + SGLANG_TP2, sglang=True)
+    assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2, 3]
     for a, b in zip(colocated, pool):
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
-    a, b = _weights(tmp_path, "colocated", 3), _weights(tmp_path, "pool", 3)
+    a, b = _weights(root, "colocated", 3), _weights(tmp_path, "pool", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     records = [e for e in _records(tmp_path, "pool") if e["kind"] != "memory"]  # the device budget's
@@ -129,11 +133,15 @@ def test_sglang_pool_gets_weights_over_the_update_group(tmp_path):
                for e in records if e["kind"] == "update_weights_from_distributed")
     assert kinds[-2:] == ["destroy_weights_update_group", "shutdown"]
     # every sync loads every weight once, and the engine holds what the colocated engine held
-    reference = _syncs(_records(tmp_path, "colocated"), 0)
+    reference = _syncs(_records(root, "colocated"), 0)
     got = _syncs(records, 2)
     assert len(got) == len(reference) == 3 and got == reference
 
 
+# 3 ranks under torchrun; the fast siblings: the groups' plan (one sender, several engines:
+# test_update_groups_spread_engines_over_the_training_ranks) and an update group through the
+# trainer (test_sglang_pool_gets_weights_over_the_update_group)
+@pytest.mark.slow
 def test_one_training_rank_feeds_two_engines_with_one_broadcast(tmp_path):
     """1 training + 2 pool ranks of TP 1: both engines join training rank 0's group (offsets 1
     and 2 of 3) and receive the same weights at every sync."""
@@ -166,7 +174,8 @@ def test_a_worker_that_never_joins_is_named_with_the_address_and_the_wait():
         open_as_sender(address, port, 2, "trident-weights-0", "gloo", timeout_s=2)
 
 
-def test_pool_validation_with_several_samples_per_prompt_scores_them_against_their_prompt(colocated_and_pool):
+def test_pool_validation_with_several_samples_per_prompt_scores_them_against_their_prompt(
+        colocated_and_pool):
     """val_kwargs.n=3 sampled: the pool's validation gives the colocated run's scores (each
     response scored against its own prompt's ground truth, n per prompt counted)."""
     _, colocated, pool = colocated_and_pool

@@ -5,12 +5,11 @@ under torchrun must not hand them TORCHELASTIC_USE_AGENT_STORE), the arguments a
 refuses, deterministic inference (ServerArgs + a seed per request) and block-FP8 model dirs."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.test_e2e import ROOT, TINY
+from tests.test_e2e import ROOT
 
 FAKES = os.path.join(ROOT, "tests", "fakes")
 AGENT = "TORCHELASTIC_USE_AGENT_STORE"
@@ -38,21 +37,13 @@ def inits(records):
     return [e for e in records if e["kind"] == "init"]
 
 
-def test_colocated_engine_starts_under_torchrun(tmp_path):
+def test_colocated_engine_starts_under_torchrun(sglang_colocated_run):
     """The real trainer under torchrun (which sets TORCHELASTIC_USE_AGENT_STORE=True in every
-    worker), a colocated TP-2 engine: its scheduler processes join their group, and the run ends."""
-    log = tmp_path / "sglang.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, FAKES]),
-               TRIDENT_FAKE_SGLANG_LOG=str(log), TRIDENT_FAKE_SGLANG_DIST_TIMEOUT_S="20")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "engine.train", os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), *TINY,
-           "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
-           "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=sglang",
-           "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-           f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    worker), a colocated TP-2 engine: its scheduler processes join their group, and the run ends.
+    The run is tests/conftest.py's sglang_colocated_run (3 steps; test_rollout_pool compares a
+    separate pool with it); it fails unless every rank exits 0."""
+    root, _ = sglang_colocated_run
+    records = [json.loads(line) for line in (root / "colocated.sglang").read_text().splitlines()]
     init, = inits(records)
     assert [(s["tp_rank"], s["gpu_id"], s[AGENT]) for s in init["schedulers"]] == [(0, 0, None), (1, 1, None)]
     # the training process keeps torchrun's environment for its own later rendezvous
