@@ -15,13 +15,15 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The suite CI runs (~22 min on 2 cores measured here with other work running; CI: 19 min last round): everything
-# but the tests marked slow.
+# The suite CI runs: everything but the tests marked slow. 21.5 min on an idle 2-core machine
+# before the last round of sharing (55 min measured here at load 4-30 from other work); since then
+# 7 torchrun launches fewer (runs shared through fixtures, tests/conftest.py) and one moved to slow:
+# ~19.5 min idle, estimated from that profile's per-test times (not yet measured whole).
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-# Everything, slow tests included (they add ~7.5 min, measured file by file): the whole bad-input
-# corpus, demo-real from a fresh clone, the pairs -> reward model -> PPO pipeline, the real
+# Everything, slow tests included (they add ~7.5 min, measured file by file, ~15 s more since): the
+# whole bad-input corpus, demo-real from a fresh clone, the pairs -> reward model -> PPO pipeline, the real
 # SmolLM2 round trip, and a few longer resume / fault / Ray runs whose short versions make test keeps.
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
