@@ -166,8 +166,7 @@ class Trainer(Loop):
                         kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
                 steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
                 metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
-        metrics.update(self.step_metrics(prompts, batch, timings))
-        return metrics
+        return self.step_metrics(prompts, batch, timings, metrics)
 
     # -- steps -----------------------------------------------------------------------------
     def reference_pass(self, batch):
@@ -234,10 +233,11 @@ class Trainer(Loop):
         return t
 
     # -- metrics ---------------------------------------------------------------------------
-    def step_metrics(self, prompts, batch, timings):
-        """What a step logs besides its phases' own: the global batch's data metrics, timings,
-        collectives (profile_comm), throughput / MFU, the KL guard, the data policy's counts."""
-        metrics = self._global_data_metrics(batch)
+    def step_metrics(self, prompts, batch, timings, metrics):
+        """The step's metrics (its phases' own, in `metrics`) completed with the global batch's
+        data metrics, timings, collectives (profile_comm), throughput / MFU, the KL guard (which
+        reads the update's KL and entropy from them) and the data policy's counts."""
+        metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})

@@ -55,12 +55,16 @@ def _rollout_with_pad(pad_id):
 
     def asked(tok):
         raise AssertionError("build_rollout asked the tokenizer although it was given the pad id")
-    engine.data.pad_token_id = asked
     cfg = load_config(DEMO, ["trainer.n_gpus_per_node=1"])
     tok = load_tokenizer(cfg)
     d = derive(cfg, 1, dataset_len=1 << 30)
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tok))
-    rollout = build_rollout(d.config, d.rollout_topology, hf_config, tok, dp_rank=0, pad_id=pad_id)
+    decide = engine.data.pad_token_id
+    engine.data.pad_token_id = asked  # the worker process is shared by later tests: restore it
+    try:
+        rollout = build_rollout(d.config, d.rollout_topology, hf_config, tok, dp_rank=0, pad_id=pad_id)
+    finally:
+        engine.data.pad_token_id = decide
     try:
         return rollout.engine.pad_token_id
     finally:
