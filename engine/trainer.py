@@ -75,7 +75,8 @@ class Trainer(Loop):
                    "reward_model": self.reward_model}
         self.colocated = HybridEngine(self.actor.chunks, self.rollout, self.hf_config,
                                       arr.rollout.update_weights_bucket_megabytes, derived.phases,
-                                      {k: w for k, w in workers.items() if w is not None})
+                                      {k: w for k, w in workers.items() if w is not None},
+                                      layout=derived.layout, topology=derived.rollout_topology)
         self.eos_ids = [self.tokenizer.eos_token_id] + list(arr.rollout.stop_token_ids)
         self.ctx = StepContext(
             derived, self.colocated, self.rollout, self.reward_fn, self.reward_model, self.ref, self.actor,

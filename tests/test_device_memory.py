@@ -76,6 +76,8 @@ def test_double_sizes_its_pool_from_free_memory_and_refuses_a_short_resume(simul
         from sglang.srt.utils.torch_memory_saver_adapter import EngineMemory
     finally:
         sys.path.remove(FAKES)
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            sys.modules.pop(name)  # later tests in this process must not find the double as sglang
     path = _config_dir(tmp_path)
     weights = _hf_param_bytes(path, 4) // 2  # float32, TP 2
     capacity = 4 * weights

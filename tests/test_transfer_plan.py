@@ -185,11 +185,37 @@ def test_plan_matches_ground_truth(case, shards):
         assert 0 <= t.sender < WORLD
         missing = set(_cut(values[t.hf_name], t.box).ravel().tolist()) - held[t.sender]
         assert not missing, f"rank {t.sender} sends {t.hf_name}{t.box} but does not hold it"
+    if not pool:
+        _check_slices(plan, ranks, globals_, values, got_from=plan.transfers())
     # the buckets of a pair carry its slices, flattened, a bucket at most bucket bytes
     t = plan.transfers()[0]
     buckets = plan.buckets(t.sender, t.receiver)
     assert all(sum(n for _, _, n in b) <= plan.bucket for b in buckets)
     assert sum(n for b in buckets for _, _, n in b) == plan.pair_bytes()[t.sender, t.receiver]
+
+
+def _check_slices(plan, ranks, globals_, values, got_from):
+    """What engine/rollout/delivery.py sends (TransferPlan.slices_of): each sender's local index of
+    a slice holds exactly the HF values of its box (the real layout's pieces); both ends of a pair
+    list the same slices in the same order each round; a GPU receives at most a bucket a round;
+    over the rounds each GPU gets what the plan's transfers give it."""
+    per = [plan.slices_of(r) for r in range(WORLD)]
+    rounds = len(plan.rounds())
+    assert rounds > 1  # the tiny bucket cuts the model into many rounds (rows of big tensors too)
+    for rank, (sends, recvs) in enumerate(per):
+        local = {s.global_name: s.take(globals_[s.global_name]).numpy() for s in ranks[rank]}
+        assert len(sends) == len(recvs) == rounds
+        for k in range(rounds):
+            for other, piece in sends[k]:
+                assert np.array_equal(local[piece.source][piece.local()], _cut(values[piece.hf_name], piece.box)), \
+                    (rank, piece)
+                assert [p for o, p in per[other][1][k] if o == rank] == [p for o, p in sends[k] if o == other]
+            assert sum(math.prod(p.shape) for _, p in recvs[k]) * plan.elt <= plan.bucket
+    for rank, (_, recvs) in enumerate(per):
+        have = sorted((p.hf_name, v) for r in recvs for _, p in r for v in _cut(values[p.hf_name], p.box).ravel())
+        want = sorted((t.hf_name, v) for t in got_from if t.receiver == rank
+                      for v in _cut(values[t.hf_name], t.box).ravel())
+        assert have == want, rank
 
 
 def _recipe_case(name, world):

@@ -130,6 +130,7 @@ class RolloutEngine(ABC):
 
     name = "?"
     SHARES_BUCKETS = False
+    LOADS_SLICES = False  # load_slices: the transfer plan's slices (engine/rollout/delivery.py)
     NEEDS_CUDA = False
     WEIGHTS_FROM_DISTRIBUTED = False
 
@@ -143,6 +144,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full tensors named as in the HF checkpoint."""
+
+    def load_slices(self, pieces) -> None:
+        """Load [(HF name, box, tensor)]: `tensor` is the box ((start, stop) per dimension) of the
+        HF tensor; a sync's slices together cover every weight (backends with LOADS_SLICES)."""
+        raise NotImplementedError(f"{type(self).__name__} loads full tensors only (LOADS_SLICES is False)")
 
     def begin_weight_update(self) -> None:
         """Open a weight sync (before its first bucket)."""

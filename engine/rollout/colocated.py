@@ -31,6 +31,7 @@ from typing import Optional
 from engine.models import lora
 from engine.models.weights import megatron_to_hf
 from engine.rollout.base import ROLLOUT_MEMORY, RolloutEngine
+from engine.rollout.delivery import Delivery, transfer_plan_for
 from parallel import device_memory
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
@@ -73,12 +74,16 @@ class _Solo:
 
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
+        self.loads_slices = engine.LOADS_SLICES
 
     def begin_sync(self):
         self.engine.begin_weight_update()
 
     def load_bucket(self, named):
         self.engine.update_weights(named)
+
+    def load_slices(self, pieces):
+        self.engine.load_slices(pieces)
 
     def finish_sync(self):
         self.engine.finish_weight_update()
@@ -165,10 +170,16 @@ class HybridEngine:
     """
 
     def __init__(self, chunks, rollout, hf_config, bucket_megabytes: float = 512, schedule=None,
-                 workers: Optional[dict] = None):
+                 workers: Optional[dict] = None, layout=None, topology=None):
         bucket_bytes(bucket_megabytes)  # fail at construction, not at the first sync
         self.chunks, self.rollout, self.hf_config = chunks, as_group(rollout), hf_config
         self.bucket_megabytes = bucket_megabytes
+        # the transfer plan's delivery (engine/rollout/delivery.py) where it applies: the
+        # training layout and rollout topology known, a backend loading slices, no LoRA merge
+        self.planned = (layout is not None and topology is not None and self.rollout is not None
+                        and getattr(self.rollout, "loads_slices", False) and not lora.spec_of(chunks)
+                        and (not isinstance(self.rollout, _Solo) or topology.tp == 1))
+        self.layout, self.topology = layout, topology
         self.schedule, self.workers = schedule, dict(workers or {})
         if schedule is not None and set(self.workers) != set(schedule.models):
             raise ValueError(f"workers {sorted(self.workers)} do not match the schedule's models "
@@ -185,10 +196,16 @@ class HybridEngine:
         return {"weights"} if phase == "update_weights" else set(ROLLOUT_MEMORY) if phase == "gen" else set()
 
     def plan(self):
-        """The reshard plan (built on first use: collective); a lora.MergePlan for a LoRA actor
-        (which validation keeps off the separate pool)."""
+        """Built on first use and kept: the planned delivery (a delivery.Delivery), else the
+        reshard plan (collective), or a lora.MergePlan for a LoRA actor (which validation keeps
+        off the separate pool)."""
         if self._plan is None:
-            self._plan = sync_plan(self.chunks)
+            if self.planned:
+                plan = transfer_plan_for(self.hf_config, self.layout, self.topology, self.chunks,
+                                         self.bucket_megabytes)
+                self._plan = Delivery(plan, self.chunks)
+            else:
+                self._plan = sync_plan(self.chunks)
         return self._plan
 
     def _rollout_to(self, wanted):
@@ -237,8 +254,11 @@ class HybridEngine:
         if self.workers:
             self._models_to("update_weights")  # training grads and optimizer state leave first
         self._rollout_to(self._rollout_wanted("update_weights"))  # the rollout's weights memory
-        stats = sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
-                             plan=self._plan)
+        if self.planned:
+            stats = self._plan.run(self.rollout)
+        else:
+            stats = sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
+                                 plan=self._plan)
         self._note("update_weights")
         if self.workers:
             self._models_to("gen")  # the actor's parameters leave (param_offload)

@@ -146,6 +146,7 @@ class CPURollout(RolloutEngine):
     ``eos_token_ids`` end a response (plus ``SamplingParams.stop_token_ids``);
     ``record_routing=True`` records MoE routing (see :class:`RolloutOutput`).
     """
+    LOADS_SLICES = True  # one process plays every TP rank of its group: any slice lands in place
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), pad_token_id: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, record_routing: bool = False, max_num_seqs: int = 1 << 30,
@@ -189,6 +190,7 @@ class CPURollout(RolloutEngine):
                     self._slots[ckpt_name] = slot
         self._slot_ids = {name: (slot.param_name, repr(slot.index)) for name, slot in self._slots.items()}
         self._missing: set = set(self._slot_ids.values())
+        self._filled: dict = {}  # elements loaded per slot by load_slices in this sync
         self._allocated = False
         self._weights_ready = False
 
@@ -217,6 +219,7 @@ class CPURollout(RolloutEngine):
         if self._weights_ready:  # first bucket of a new sync
             self._weights_ready = False
             self._missing = set(self._slot_ids.values())
+            self._filled = {}
         for name, tensor in named_tensors:
             slot = self._slots.get(name)
             if slot is None:
@@ -228,6 +231,33 @@ class CPURollout(RolloutEngine):
                                  f"expected {tuple(slot.shape)} from the model config")
             self._param(slot.param_name).data[slot.index].copy_(tensor)
             self._missing.discard(self._slot_ids[name])
+
+    def load_slices(self, pieces) -> None:
+        """[(HF name, box, tensor)] into the weights (the transfer plan's delivery); a weight
+        counts as sent once its slices cover it (the caller sends each element once)."""
+        if not self._allocated:
+            self.resume_memory()
+        if self._weights_ready:
+            self._weights_ready = False
+            self._missing = set(self._slot_ids.values())
+            self._filled = {}
+        for name, box, tensor in pieces:
+            slot = self._slots.get(name)
+            if slot is None:
+                raise ValueError(f"load_slices: unknown weight name {name!r} for {type(self.model).__name__}")
+            if len(box) != len(slot.shape) or any(not 0 <= lo < hi <= n for (lo, hi), n in zip(box, slot.shape)):
+                raise ValueError(f"load_slices: box {box} of {name!r} is outside its shape {tuple(slot.shape)}")
+            target = self._param(slot.param_name).data[slot.index]
+            target[tuple(slice(lo, hi) for lo, hi in box)].copy_(tensor)
+            sid = self._slot_ids[name]
+            self._filled[sid] = self._filled.get(sid, 0) + tensor.numel()
+            if self._filled[sid] >= slot.shape.numel():
+                self._missing.discard(sid)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The loaded weight under its HF checkpoint name (a view; for tests and checks)."""
+        slot = self._slots[name]
+        return self._param(slot.param_name).data[slot.index]
 
     def finish_weight_update(self) -> None:
         if self._missing:
@@ -243,6 +273,7 @@ class CPURollout(RolloutEngine):
         self._allocated = False
         self._weights_ready = False
         self._missing = set(self._slot_ids.values())
+        self._filled = {}
         _return_freed_memory_to_os()
 
     def resume_memory(self, tags=None) -> None:

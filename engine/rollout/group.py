@@ -61,6 +61,7 @@ class GroupedRollout:
 
     def __init__(self, topology: RolloutTopology, backend: type, engine_factory, dp_rank: int):
         self.topology, self.backend = topology, backend
+        self.loads_slices = backend.LOADS_SLICES  # the transfer plan's delivery (engine/rollout/delivery.py)
         self.rank = dist.get_rank()
         self.group = topology.group_of(self.rank)
         self.is_leader = self.group.leader == self.rank
@@ -112,6 +113,25 @@ class GroupedRollout:
             self.engine.update_weights_from_shared([self.backend.share_bucket(named_tensors)])
         elif self.is_leader:
             self.engine.update_weights(named_tensors)
+
+    def load_slices(self, pieces: list) -> None:
+        """Collective within the group: each member's slices of the transfer plan (what its TP
+        rank loads) into the engine. The CPU backend's one process plays every TP rank: the
+        leader gathers the members' slices and loads each (name, box) once (replicated tensors
+        come from every member)."""
+        if self.group.tp == 1:
+            self.engine.load_slices(pieces)
+            return
+        gathered = [None] * self.group.tp if self.is_leader else None
+        dist.gather_object(pieces, gathered, dst=self.group.leader, group=self._group_pg)
+        if self.is_leader:
+            seen, unique = set(), []
+            for part in gathered:
+                for name, box, tensor in part:
+                    if (name, box) not in seen:
+                        seen.add((name, box))
+                        unique.append((name, box, tensor))
+            self.engine.load_slices(unique)
 
     def begin_sync(self) -> None:
         if self.is_leader:

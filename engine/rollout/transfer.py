@@ -64,6 +64,7 @@ from engine.models.weights import expected_hf_tensors, global_shapes, row_blocks
 from engine.rollout.topology import RolloutTopology
 
 Box = Tuple[Tuple[int, int], ...]  # [start, stop) per dimension of the HF tensor
+Shift = Tuple[int, ...]            # HF index + shift = index in the holder's local tensor
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -84,12 +85,31 @@ class Transfer:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Slice:
+    """What one rollout GPU loads of one HF tensor from one sender: the HF box, and where it sits
+    in the sender's local Megatron tensor (`source`, its global name; local index = HF + shift)."""
+    hf_name: str
+    box: Box
+    source: str
+    shift: Shift
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in self.box)
+
+    def local(self) -> Tuple[slice, ...]:
+        """The index of this slice in the sender's local tensor."""
+        return tuple(slice(lo + s, hi + s) for (lo, hi), s in zip(self.box, self.shift))
+
+
 @dataclass
 class _Group:
     """HF tensors alike but for their member index (one layer's experts' w1, say), or one tensor."""
     names: Tuple[str, ...]                       # M names
     shape: Tuple[int, ...]
     pieces: List[Tuple[Box, np.ndarray]]         # training pieces: box, holders (M, h)
+    sources: List[Tuple[str, Shift]]             # each piece's Megatron name (member 0) and shift
     needs: List[Optional[Box]]                   # the box rollout TP rank j loads (None: nothing)
     owner: Optional[np.ndarray]                  # (M, R) bool: which ranks load member m (rollout EP)
     replicated: bool
@@ -162,16 +182,83 @@ class TransferPlan:
         return send, key
 
     def _walk(self):
-        """(group, member mask or None, position j, overlap box, senders (M, engines), key)."""
+        """(group, member mask or None, position j, overlap box, senders (M, engines), key,
+        piece index)."""
         for ordinal, g in enumerate(self.groups):
             for j, need in enumerate(g.needs):
                 if need is None:
                     continue
-                for box, holders in g.pieces:
+                for pi, (box, holders) in enumerate(g.pieces):
                     part = _overlap(need, box)
                     if part is not None:
                         mask = None if g.owner is None else g.owner[:, j]
-                        yield (g, mask, j, part) + self._senders(ordinal, j, holders)
+                        yield (g, mask, j, part) + self._senders(ordinal, j, holders) + (pi,)
+
+    def _units(self, g) -> List[Tuple[int, int, int, int]]:
+        """A group cut into units of at most one bucket: (first member, end, first row, end)."""
+        rows = g.shape[0]
+        row_bytes = _area(_full(g.shape)) // rows * self.elt
+        full, M = rows * row_bytes, len(g.names)
+        if full <= self.bucket:
+            k = max(1, self.bucket // full)
+            return [(m, min(M, m + k), 0, rows) for m in range(0, M, k)]
+        k = max(1, self.bucket // row_bytes)
+        return [(m, m + 1, r, min(rows, r + k)) for m in range(M) for r in range(0, rows, k)]
+
+    def rounds(self) -> List[List[Tuple[int, Tuple[int, int, int, int]]]]:
+        """The sync's rounds, in order: consecutive units packed up to one bucket of HF tensor
+        bytes, so no GPU receives more than a bucket in a round. [(group ordinal, unit)]."""
+        out, current, room = [], [], self.bucket
+        for ordinal, g in enumerate(self.groups):
+            row_bytes = _area(_full(g.shape)) // g.shape[0] * self.elt
+            for unit in self._units(g):
+                size = (unit[1] - unit[0]) * (unit[3] - unit[2]) * row_bytes
+                if current and size > room:
+                    out.append(current)
+                    current, room = [], self.bucket
+                current.append((ordinal, unit))
+                room -= size
+        return out + ([current] if current else [])
+
+    def slices_of(self, rank: int) -> Tuple[List[List[tuple]], List[List[tuple]]]:
+        """What `rank` sends and receives, per round (see `rounds`), in plan order, so both ends
+        of a pair list their common slices alike: (sends, receives), each per round a list of
+        (other rank, Slice). The diagonal (a GPU loading what it holds) is in both."""
+        index = {}
+        for r, units in enumerate(self.rounds()):
+            for ordinal, unit in units:
+                index.setdefault(ordinal, []).append((unit, r))
+        nrounds = len(self.rounds())
+        sends = [[] for _ in range(nrounds)]
+        recvs = [[] for _ in range(nrounds)]
+        ordinal_of = {id(g): i for i, g in enumerate(self.groups)}
+        for g, mask, j, part, send, _, pi in self._walk():
+            column = self.receivers[:, j]
+            mine_in = np.nonzero(column == rank)[0]
+            mine_out = np.argwhere(send == rank)
+            if not mine_in.size and not mine_out.size:
+                continue
+            mname, shift = g.sources[pi]
+            units = index[ordinal_of[id(g)]]
+
+            def cut(mi):
+                name = g.names[mi]
+                source = mname if len(g.names) == 1 else mname.replace(".local_experts.0.", f".local_experts.{mi}.", 1)
+                for (m0, m1, r0, r1), r in units:
+                    if m0 <= mi < m1:
+                        box = _overlap(part, _with(part, 0, r0, r1))
+                        if box is not None:
+                            yield r, Slice(name, box, source, shift)
+            for ei in mine_in:
+                for mi in range(len(g.names)):
+                    if mask is None or mask[mi]:
+                        for r, piece in cut(mi):
+                            recvs[r].append((int(send[mi, ei]), piece))
+            for mi, ei in mine_out:
+                if mask is None or mask[mi]:
+                    for r, piece in cut(mi):
+                        sends[r].append((int(column[ei]), piece))
+        return sends, recvs
 
     def pair_bytes(self) -> np.ndarray:
         """(n_gpus, n_gpus) bytes sender -> receiver per sync (the diagonal: copies on a GPU)."""
@@ -179,7 +266,7 @@ class TransferPlan:
             n = self.n_gpus
             pairs = np.zeros(n * n)
             same: Dict[tuple, list] = {}   # slices with the same senders and receivers: summed first
-            for g, mask, j, part, send, key in self._walk():
+            for g, mask, j, part, send, key, _ in self._walk():
                 entry = same.setdefault(key + (mask is not None,), [send, mask, j, 0])
                 entry[3] += _area(part) * self.elt
             keys, weights, size = [], [], 0
@@ -201,7 +288,7 @@ class TransferPlan:
         """Every transfer (of the tensors `names`, default all) in plan order: slow at scale."""
         wanted = None if names is None else set(names)
         out = []
-        for g, mask, j, part, send, _ in self._walk():
+        for g, mask, j, part, send, _, _ in self._walk():
             for mi, name in enumerate(g.names):
                 if (wanted is not None and name not in wanted) or (mask is not None and not mask[mi]):
                     continue
@@ -283,33 +370,38 @@ def _training_split(rest: str):
     return None, False
 
 
-def _megatron_boxes(shape, dim, gated, count, t) -> List[Box]:
-    """Piece t of `count` of a Megatron tensor, as boxes in Megatron coordinates."""
+def _megatron_boxes(shape, dim, gated, count, t) -> List[Tuple[Box, int]]:
+    """Piece t of `count` of a Megatron tensor: (box in Megatron coordinates, the box's first
+    row in the holder's local tensor) for each part (a gated fc1's gate and up halves)."""
     full = _full(shape)
     if dim is None or count == 1:
-        return [full]
+        return [(full, 0)]
     if gated:
         half = shape[0] // 2
         step = half // count
-        return [_with(full, 0, s + t * step, s + (t + 1) * step) for s in (0, half)]
+        return [(_with(full, 0, s + t * step, s + (t + 1) * step), k * step) for k, s in enumerate((0, half))]
     step = shape[dim] // count
-    return [_with(full, dim, t * step, (t + 1) * step)]
+    return [(_with(full, dim, t * step, (t + 1) * step), 0)]
 
 
-def _to_hf(blocks, mbox: Box) -> Dict[str, List[Box]]:
-    """A Megatron box cut into HF boxes (rows through the row blocks; other dims unchanged)."""
-    out: Dict[str, List[Box]] = {}
+def _to_hf(blocks, mbox: Box, base: int = 0) -> Dict[str, List[Tuple[Box, Shift]]]:
+    """A Megatron box cut into HF boxes (rows through the row blocks; other dims unchanged),
+    each with the shift from HF to the holder's local indices (`base`: the box's first local
+    row). Rows adjacent in HF and in the local tensor are one box."""
+    out: Dict[str, List[Tuple[Box, Shift]]] = {}
     (lo, hi), rest = mbox[0], mbox[1:]
+    tail = tuple(-a for a, _ in rest)
     offset = 0
     for name, start, rows in blocks:
         a, b = max(lo, offset), min(hi, offset + rows)
         if a < b:
             boxes = out.setdefault(name, [])
             row = (start + a - offset, start + b - offset)
-            if boxes and boxes[-1][0][1] == row[0] and boxes[-1][1:] == rest:
-                boxes[-1] = ((boxes[-1][0][0], row[1]),) + rest  # adjacent rows: one box
+            shift = (offset - start - lo + base,) + tail
+            if boxes and boxes[-1][0][0][1] == row[0] and boxes[-1][0][1:] == rest and boxes[-1][1] == shift:
+                boxes[-1] = (((boxes[-1][0][0][0], row[1]),) + rest, shift)
             else:
-                boxes.append((row,) + rest)
+                boxes.append(((row,) + rest, shift))
         offset += rows
     return out
 
@@ -432,21 +524,21 @@ def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_ele
         M = experts if e else 1
         pieces_count += M * count
         blocks = row_blocks(hf_config, gname)
-        per_hf: Dict[str, List[Tuple[Box, np.ndarray]]] = {}
+        per_hf: Dict[str, List[Tuple[Box, np.ndarray, Shift]]] = {}
         for ti in range(count):
             h = holders(stages, ti, count, owner_of if e else None)
-            for mbox in _megatron_boxes(shape, dim, gated, count, ti):
-                for name, boxes in _to_hf(blocks, mbox).items():
-                    for box in boxes:
-                        per_hf.setdefault(name, []).append((box, h))
+            for mbox, base in _megatron_boxes(shape, dim, gated, count, ti):
+                for name, boxes in _to_hf(blocks, mbox, base).items():
+                    for box, shift in boxes:
+                        per_hf.setdefault(name, []).append((box, h, shift))
                         np.add.at(held, h.ravel(), _area(box) * bytes_per_element)
         for name, pieces in per_hf.items():
             hf_shape = hf_shapes[name]
             needs, replicated = rollout.need(name, hf_shape)
             names = ((name,) if not e else
                      tuple(name.replace(".experts.0.", f".experts.{x}.", 1) for x in range(experts)))
-            groups.append(_Group(names, hf_shape, pieces, needs, rollout.owner(M) if e else None,
-                                 replicated))
+            groups.append(_Group(names, hf_shape, [(b, h) for b, h, _ in pieces], [(gname, sh) for *_, sh in pieces],
+                                 needs, rollout.owner(M) if e else None, replicated))
     return TransferPlan(groups, R=R, receivers=receivers, senders=W,
                         n_gpus=W + (topology.world_size if separate_pool else 0),
                         gpus_per_node=topology.gpus_per_node, elt=bytes_per_element,
