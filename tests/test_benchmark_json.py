@@ -26,6 +26,8 @@ def _bench(tmp_path, *args, env=None, timeout=300):
     return json.loads(out.read_text())
 
 
+# ~20 s; make test keeps the caller's-path run of tests/test_gpu_check.py and the other JSON tests
+@pytest.mark.slow
 def test_step_json_through_the_sglang_double_on_the_callers_path(tmp_path):
     """The trainer is launched with the caller's PYTHONPATH kept (gpu_check.sh puts megatron-core
     from .whl/ there; here the SGLang double is only importable through it)."""

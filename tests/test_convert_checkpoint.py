@@ -231,6 +231,7 @@ def test_cli_checks_arguments_before_reading_weights(qwen2_dir, tmp_path, capsys
     assert sorted(os.listdir(tmp_path)) == ["file", "moe"]  # nothing written
 
 
+@pytest.mark.slow  # ~14 s; make test keeps test_cli_roundtrip_memory_report (the CLI) and test_hf_parity's MoE layouts
 def test_cli_moe_defaults_and_missing_parents(tmp_path):
     """MoE at tp=2, ep=2 with neither --etp nor --nproc, into directories that do not exist:
     expert TP 1 and the layout's 2 ranks are chosen and said, parents created. (That layout's

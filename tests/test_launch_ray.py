@@ -102,6 +102,9 @@ def test_killed_rank_ends_the_job_with_a_report(tmp_path, ray_ok):
           + "\n".join(ln for ln in out.splitlines() if ln.startswith("[launch_ray]")))
 
 
+# ~15 s; make test keeps test_ray_run_gives_torchrun_metrics (and tests/test_faults.py: a rank's
+# mistake under torchrun)
+@pytest.mark.slow
 def test_a_ranks_mistake_is_reported_with_its_phase_and_line(tmp_path, ray_ok):
     missing = str(tmp_path / "no_such_tokenizer")  # valid config, found missing by the ranks
     done = subprocess.run(_ray_cmd(tmp_path, "raises", 2,

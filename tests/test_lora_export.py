@@ -30,6 +30,8 @@ def _tool(*args):
     return done.returncode, done.stdout + done.stderr
 
 
+# ~26 s; make test keeps test_merged_export_is_the_lora_actor, test_peft_loads_the_adapter, tests/test_lora.py
+@pytest.mark.slow
 def test_two_step_lora_run_under_torchrun(tmp_path):
     from megatron.core import dist_checkpointing
 

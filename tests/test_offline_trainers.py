@@ -199,7 +199,9 @@ def test_dpo_from_precomputed_reference_columns_matches_the_reference_model(tmp_
                 assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
 
 
-@pytest.mark.parametrize("contents", ["[model,optimizer,extra]", "[model,optimizer]"])
+# without 'extra' (~9 s more) in make test-all: the data position from the step alone
+@pytest.mark.parametrize("contents", ["[model,optimizer,extra]",
+                                      pytest.param("[model,optimizer]", marks=pytest.mark.slow)])
 def test_resumed_reward_model_run_matches_an_uninterrupted_one(tmp_path, contents):
     """Without 'extra' (no trainer state saved) the data position follows from the step."""
     common = ["trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",

@@ -150,8 +150,11 @@ def _model(hidden, layers, heads, groups, ffn, vocab, family="qwen2"):
 
 CASES = [  # (world, tp, sp, model, micro, n_micro, seq)
     pytest.param((1, 1, False, _model(512, 4, 8, 4, 1408, 8192, "llama"), 4, 2, 256), id="1rank-h512-L4"),
-    pytest.param((2, 1, False, _model(384, 6, 6, 2, 1024, 12288), 4, 1, 256), id="dp2-h384-L6"),
-    # TP's terms are measured by the TP+SP case too; this one runs in make test-all
+    # make test keeps the one-rank and the TP+SP cases; the DP case (its distributed-optimizer
+    # shard is a term of the TP+SP case's too) runs in make test-all (~23 s)
+    pytest.param((2, 1, False, _model(384, 6, 6, 2, 1024, 12288), 4, 1, 256), id="dp2-h384-L6",
+                 marks=pytest.mark.slow),
+    # TP's terms are measured by the TP+SP case too
     pytest.param((2, 2, False, _model(512, 8, 8, 4, 1408, 8192), 2, 2, 256), id="tp2-h512-L8",
                  marks=pytest.mark.slow),
     pytest.param((2, 2, True, _model(512, 8, 8, 4, 1408, 8192), 2, 2, 512), id="tp2sp-h512-L8-s512"),

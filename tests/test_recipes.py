@@ -61,7 +61,14 @@ def _ranks_to_build(lay):
     return sorted(ranks)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+# make test builds the dense 7B and DeepSeek-V3 (MLA, shared + routed experts, dense layers);
+# Qwen2-7B (dense like Qwen2.5) and Qwen3-30B-A3B (routed experts, covered by DeepSeek-V3's
+# build) run in make test-all (~45 s)
+BUILT_IN_MAKE_TEST = ("qwen2_5_7b_gsm8k_ppo.yaml", "deepseek_v3_671b_grpo.yaml")
+
+
+@pytest.mark.parametrize("name", [n if n in BUILT_IN_MAKE_TEST else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(RECIPES)])
 def test_recipe_model_builds_on_meta_with_hf_param_count(name):
     cfg, world = _load(name)
     hf = hf_config_of(cfg.actor_rollout_ref.model)

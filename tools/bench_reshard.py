@@ -2,6 +2,10 @@
 
     python tools/bench_reshard.py --size-mb 200 [--bucket-mb 32] [--world-size 2] [--json F]
 
+At --world-size 4 it also times one weight sync both ways (issue 22): today's full tensors on
+every rank vs the transfer plan's delivery (engine/rollout/delivery.py), at train tp=2,pp=2 ->
+rollout TP 1, tp=2 -> TP 2 and tp=4 -> TP 4: bytes received per rank, seconds, peak buffers.
+
 Spawns gloo ranks, builds a llama model of about `--size-mb` (fp32) and times one full reshard
 (`parallel.reshard.iter_buckets`, plan cached, consumer that only touches each bucket) from a
 TP and from a PP layout. The floor is a plain in-memory copy of the same bytes in one process
@@ -84,6 +88,54 @@ def _time_reshard(chunks, bucket_bytes, repeat):
                 model_bytes=plan.nbytes, shapes=[(t.shape, t.dtype) for t in plan.tensors])
 
 
+class _Touch:
+    """A rollout group that only touches what it is handed (the transfer is what is timed)."""
+
+    def begin_sync(self):
+        pass
+
+    def load_slices(self, pieces):
+        for _, _, t in pieces:
+            t.view(-1)[:1].sum()
+
+    def finish_sync(self):
+        pass
+
+
+def _time_sync(chunks, hf, layout, rollout_tp, bucket_bytes, repeat):
+    """One weight sync both ways at `layout` into engines of rollout TP `rollout_tp`: today's
+    full tensors on every rank (iter_buckets; a rank receives the model less what it holds)
+    and the transfer plan's delivery (engine/rollout/delivery.py; bytes counted as received)."""
+    import torch.distributed as dist
+
+    from engine.rollout.delivery import Delivery, transfer_plan_for
+    from engine.rollout.topology import rollout_topology
+    from parallel.reshard import ReshardPlan, iter_buckets
+    from parallel.shards import local_shards
+
+    world = dist.get_world_size()
+    held = sum(p.numel() * p.element_size() for p, _ in local_shards(chunks))
+    plan = ReshardPlan.build(chunks)
+    delivery = Delivery(transfer_plan_for(hf, layout, rollout_topology(world, world, rollout_tp), chunks,
+                                          bucket_bytes / MIB), chunks)
+    today, planned = [], []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        for _bucket in iter_buckets(chunks, bucket_bytes, plan=plan):
+            pass
+        dist.barrier()
+        today.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        stats = delivery.run(_Touch())
+        dist.barrier()
+        planned.append(time.perf_counter() - start)
+    return dict(today_s=min(today), planned_s=min(planned), today_recv=plan.nbytes - held,
+                planned_recv=stats.bytes, planned_local=stats.local, planned_peak=stats.peak_bytes,
+                rounds=stats.rounds)
+
+
 def _copy_floor(shapes, repeat):
     """Seconds to copy every tensor once in memory (destination allocated per tensor, as
     reshard does), best of `repeat`."""
@@ -123,6 +175,18 @@ def _worker(rank, world, port, args, queue):
         del chunks
         gc.collect()
         destroy_mesh()
+    if world == 4:  # weight sync: today's full tensors vs the transfer plan, at three layout pairs
+        sync_layouts = {"tp=2,pp=2->R1": (Layout(tp=2, pp=2, world_size=4), 1),
+                        "tp=2->R2": (Layout(tp=2, world_size=4), 2),
+                        "tp=4->R4": (Layout(tp=4, world_size=4), 4)}
+        results["sync"] = {}
+        for name, (layout, R) in sync_layouts.items():
+            init_mesh(layout)
+            chunks = build_model(hf)
+            results["sync"][name] = _time_sync(chunks, hf, layout, R, int(args.bucket_mb * MIB), args.repeat)
+            del chunks
+            gc.collect()
+            destroy_mesh()
     if rank == 0:
         shapes = next(iter(results.values())).pop("shapes")
         results["copy_s"] = _copy_floor(shapes, args.repeat)
@@ -153,7 +217,7 @@ def run(args):
     report = {"size_mb": args.size_mb, "bucket_mb": args.bucket_mb, "world_size": world,
               "copy_s": copy_s, "layouts": {}}
     model_bytes = None
-    for layout in (k for k in per_rank[0] if k != "copy_s"):
+    for layout in (k for k in per_rank[0] if k not in ("copy_s", "sync")):
         ranks = [per_rank[r][layout] for r in range(world)]
         model_bytes = ranks[0]["model_bytes"]
         seconds = max(r["seconds"] for r in ranks)
@@ -173,6 +237,26 @@ def run(args):
         print(f"  {layout:<11}{r['seconds']:>10.3f}{r['ratio_to_copy']:>8.2f}{r['gb_per_s']:>7.2f}"
               f"{r['buckets']:>9}{r['plan_s']:>10.3f}{r['counted_peak_mb']:>14.1f}{r['rss_peak_mb']:>10.1f}")
     print(f"  targets: time <= 3x copy, extra memory <= one bucket ({bucket / MIB:g} MiB)")
+    if "sync" in per_rank[0]:
+        report["sync"] = {}
+        print("weight sync, today (every rank materialises the model) vs the transfer plan "
+              "(each rank receives what its rollout TP rank loads):")
+        print(f"  {'layout':<15}{'today recv':>11}{'plan recv':>10}{'ratio':>7}{'today (s)':>10}"
+              f"{'plan (s)':>9}{'x':>6}{'plan peak':>10}  (MiB per rank, max over ranks)")
+        for name in per_rank[0]["sync"]:
+            ranks = [per_rank[r]["sync"][name] for r in range(world)]
+            r = dict(today_recv_mb=max(x["today_recv"] for x in ranks) / MIB,
+                     planned_recv_mb=max(x["planned_recv"] for x in ranks) / MIB,
+                     planned_loaded_mb=max(x["planned_recv"] + x["planned_local"] for x in ranks) / MIB,
+                     today_s=max(x["today_s"] for x in ranks), planned_s=max(x["planned_s"] for x in ranks),
+                     planned_peak_mb=max(x["planned_peak"] for x in ranks) / MIB, rounds=ranks[0]["rounds"])
+            r["recv_ratio"] = r["today_recv_mb"] / max(r["planned_recv_mb"], 1e-9)
+            r["time_ratio"] = r["planned_s"] / r["today_s"]
+            report["sync"][name] = r
+            print(f"  {name:<15}{r['today_recv_mb']:>11.1f}{r['planned_recv_mb']:>10.1f}{r['recv_ratio']:>7.2f}"
+                  f"{r['today_s']:>10.3f}{r['planned_s']:>9.3f}{r['time_ratio']:>6.2f}{r['planned_peak_mb']:>10.1f}")
+        print(f"  targets: received bytes drop by the rollout TP factor (R); time ratio <= 1; "
+              f"peak <= one bucket ({bucket / MIB:g} MiB)")
     return report
 
 

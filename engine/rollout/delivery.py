@@ -74,10 +74,10 @@ class Delivery:
                 inside = held is not None and all(
                     0 <= s.start < s.stop <= n for s, n in zip(piece.local(), held.shape))
                 if not inside:
+                    what = f"shape {tuple(held.shape)}" if held is not None else "no such tensor"
                     raise ValueError(f"the transfer plan has rank {self.rank} send {piece.hf_name} {piece.box} "
                                      f"from {piece.source} at {piece.local()}, which its model does not hold "
-                                     f"({'shape ' + str(tuple(held.shape)) if held is not None else 'no such tensor'}): "
-                                     f"the layout and the plan disagree")
+                                     f"({what}): the layout and the plan disagree")
 
     def _peers(self, entries, peer) -> list:
         return [piece for other, piece in entries if other == peer]
