@@ -4,7 +4,8 @@
 
 At --world-size 4 it also times one weight sync both ways (issue 22): today's full tensors on
 every rank vs the transfer plan's delivery (engine/rollout/delivery.py), at train tp=2,pp=2 ->
-rollout TP 1, tp=2 -> TP 2 and tp=4 -> TP 4: bytes received per rank, seconds, peak buffers.
+rollout TP 1 and TP 2, pp=4 -> TP 4 and tp=4 -> TP 4: bytes received per rank, seconds, peak
+buffers ("-": nothing to receive, every rank holds its rollout rank's share).
 
 Spawns gloo ranks, builds a llama model of about `--size-mb` (fp32) and times one full reshard
 (`parallel.reshard.iter_buckets`, plan cached, consumer that only touches each bucket) from a
@@ -42,12 +43,12 @@ def add_arguments(parser):
 
 def model_config(args):
     """A llama config of about `args.size_mb` MiB: 12 H^2 parameters per layer (GQA 2:1, ffn 3H),
-    2 V H for embedding and output layer; an even number of layers (pp=2)."""
+    2 V H for embedding and output layer; a multiple of 4 layers (pp=2, pp=4)."""
     from transformers import LlamaConfig
 
     h, v = args.hidden, args.vocab
     layers = (args.size_mb * MIB / 4 - 2 * v * h) / (12 * h * h)
-    layers = max(2, 2 * round(layers / 2))
+    layers = max(4, 4 * round(layers / 4))  # pp=2 and pp=4 split it evenly
     heads = max(2, h // 64)
     cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=heads // 2, intermediate_size=3 * h, vocab_size=v,
@@ -96,7 +97,7 @@ class _Touch:
 
     def load_slices(self, pieces):
         for _, _, t in pieces:
-            t.view(-1)[:1].sum()
+            t.reshape(-1)[:1].sum() if t.is_contiguous() else t[(0,) * t.dim()].item()
 
     def finish_sync(self):
         pass
@@ -177,7 +178,8 @@ def _worker(rank, world, port, args, queue):
         destroy_mesh()
     if world == 4:  # weight sync: today's full tensors vs the transfer plan, at three layout pairs
         sync_layouts = {"tp=2,pp=2->R1": (Layout(tp=2, pp=2, world_size=4), 1),
-                        "tp=2->R2": (Layout(tp=2, world_size=4), 2),
+                        "tp=2,pp=2->R2": (Layout(tp=2, pp=2, world_size=4), 2),
+                        "pp=4->R4": (Layout(pp=4, world_size=4), 4),
                         "tp=4->R4": (Layout(tp=4, world_size=4), 4)}
         results["sync"] = {}
         for name, (layout, R) in sync_layouts.items():
@@ -250,10 +252,11 @@ def run(args):
                      planned_loaded_mb=max(x["planned_recv"] + x["planned_local"] for x in ranks) / MIB,
                      today_s=max(x["today_s"] for x in ranks), planned_s=max(x["planned_s"] for x in ranks),
                      planned_peak_mb=max(x["planned_peak"] for x in ranks) / MIB, rounds=ranks[0]["rounds"])
-            r["recv_ratio"] = r["today_recv_mb"] / max(r["planned_recv_mb"], 1e-9)
+            r["recv_ratio"] = r["today_recv_mb"] / r["planned_recv_mb"] if r["planned_recv_mb"] else None
             r["time_ratio"] = r["planned_s"] / r["today_s"]
             report["sync"][name] = r
-            print(f"  {name:<15}{r['today_recv_mb']:>11.1f}{r['planned_recv_mb']:>10.1f}{r['recv_ratio']:>7.2f}"
+            ratio = f"{r['recv_ratio']:.2f}" if r["recv_ratio"] else "-"
+            print(f"  {name:<15}{r['today_recv_mb']:>11.1f}{r['planned_recv_mb']:>10.1f}{ratio:>7}"
                   f"{r['today_s']:>10.3f}{r['planned_s']:>9.3f}{r['time_ratio']:>6.2f}{r['planned_peak_mb']:>10.1f}")
         print(f"  targets: received bytes drop by the rollout TP factor (R); time ratio <= 1; "
               f"peak <= one bucket ({bucket / MIB:g} MiB)")

@@ -64,12 +64,12 @@ class Delivery:
             raise ValueError(f"the transfer plan sends one dtype per model; this rank holds {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
         sends, recvs = plan.slices_of(self.rank)
-        # the router's expert bias is a buffer, not a parameter: like the full-tensor path, the
-        # sync leaves it out (the rollout keeps the bias it was built with)
-        self.sends = [[(o, p) for o, p in r if not _BUFFER.search(p.source)] for r in sends]
-        self.recvs = [[(o, p) for o, p in r if not _BUFFER.search(p.source)] for r in recvs]
-        for peer_slices in self.sends:
-            for _, piece in peer_slices:
+        # per round, {peer: [Slice]} in plan order. The router's expert bias is a buffer, not a
+        # parameter: like the full-tensor path, the sync leaves it out (the rollout keeps the
+        # bias it was built with)
+        self.sends, self.recvs = [_by_peer(r) for r in sends], [_by_peer(r) for r in recvs]
+        for by_peer in self.sends:
+            for piece in (p for ps in by_peer.values() for p in ps):
                 held = self.params.get(piece.source)
                 inside = held is not None and all(
                     0 <= s.start < s.stop <= n for s, n in zip(piece.local(), held.shape))
@@ -79,9 +79,6 @@ class Delivery:
                                      f"from {piece.source} at {piece.local()}, which its model does not hold "
                                      f"({what}): the layout and the plan disagree")
 
-    def _peers(self, entries, peer) -> list:
-        return [piece for other, piece in entries if other == peer]
-
     @torch.no_grad()
     def run(self, group) -> DeliveryStats:
         """Collective over all ranks: every round's slices into `group` (its `load_slices`)."""
@@ -89,16 +86,20 @@ class Delivery:
         received = sent = local = messages = peak = 0
         group.begin_sync()
         for out, inc in zip(self.sends, self.recvs):
-            pieces = [(p.hf_name, p.box, self.params[p.source][p.local()])
-                      for p in self._peers(out, self.rank)]
+            pieces = [(p.hf_name, p.box, self.params[p.source][p.local()]) for p in out.get(self.rank, ())]
             local += sum(t.numel() * t.element_size() for *_, t in pieces)
             held = 0
             for d in range(1, self.world):
                 to, frm = (self.rank + d) % self.world, (self.rank - d) % self.world
-                outgoing, incoming = self._peers(out, to), self._peers(inc, frm)
-                reqs, pack = [], None
+                outgoing, incoming = out.get(to), inc.get(frm)
+                reqs, pack, packed = [], None, 0
                 if outgoing:
-                    pack = torch.cat([self.params[p.source][p.local()].reshape(-1) for p in outgoing])
+                    views = [self.params[p.source][p.local()] for p in outgoing]
+                    if len(views) == 1 and views[0].is_contiguous():
+                        pack = views[0]  # one contiguous slice: sent in place, no copy
+                    else:
+                        pack = torch.cat([v.reshape(-1) for v in views])
+                        packed = pack.numel() * pack.element_size()
                     reqs.append(dist.isend(pack, to))
                     sent += pack.numel() * pack.element_size()
                 if incoming:
@@ -112,13 +113,21 @@ class Delivery:
                     held += buf.numel() * buf.element_size()
                     received += buf.numel() * buf.element_size()
                     messages += 1
-                peak = max(peak, held + (0 if pack is None else pack.numel() * pack.element_size()))
+                peak = max(peak, held + packed)
                 for req in reqs:
                     req.wait()
             group.load_slices(pieces)
         group.finish_sync()
         return DeliveryStats(bytes=received, sent=sent, local=local, messages=messages,
                              rounds=len(self.sends), seconds=time.perf_counter() - start, peak_bytes=peak)
+
+
+def _by_peer(entries) -> Dict[int, list]:
+    out: Dict[int, list] = {}
+    for peer, piece in entries:
+        if not _BUFFER.search(piece.source):
+            out.setdefault(peer, []).append(piece)
+    return out
 
 
 def _numel(shape) -> int:
