@@ -1,5 +1,6 @@
 """Weight sync by the transfer plan (engine/rollout/delivery.py, issue 22 items 2-3), through the
-real trainer on 4 gloo ranks with the CPU backend: after a sync every rollout engine holds,
+real trainer on 4 gloo ranks with the CPU backend and the SGLang double (whose TP workers keep
+only their shard of their own member's copy): after a sync every rollout engine holds,
 bit for bit, the full gather of the training weights (parallel.shards.iter_global, renamed by
 engine.models.weights.megatron_to_hf: the full-tensor path's own pieces, written apart from the
 plan), each rank received exactly what the plan says, and no more than its rollout TP rank loads.
@@ -28,7 +29,23 @@ PAIRS = {
 }
 
 
-def _sync(tmp, names):
+def _sync(tmp, names, rollout="cpu"):
+    """Each layout pair of `names` through the trainer; with rollout='sglang' the SGLang double
+    (tests/fakes: each TP worker keeps only its shard of its own member's copy)."""
+    import sys
+    fakes = os.path.join(ROOT, "tests", "fakes")
+    if rollout == "sglang":
+        sys.path.insert(0, fakes)
+    try:
+        return _sync_with(tmp, names, rollout)
+    finally:
+        if rollout == "sglang":
+            sys.path.remove(fakes)
+            for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+                sys.modules.pop(name)
+
+
+def _sync_with(tmp, names, rollout):
     import torch
     import torch.distributed as dist
 
@@ -47,6 +64,7 @@ def _sync(tmp, names):
             "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false",
             f"trainer.default_local_dir={tmp}/{name}", f"trainer.log_dir={tmp}/{name}/logs",
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
+            f"actor_rollout_ref.rollout.name={rollout}",
             "actor_rollout_ref.actor.use_kl_loss=false", "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1",
             *[f"actor_rollout_ref.actor.megatron.{k}={v}" for k, v in sizes.items()], *model])
         set_seed(cfg.trainer.seed)
@@ -62,6 +80,8 @@ def _sync(tmp, names):
         dist.all_gather_object(every, mine)
         reference = {k: v for part in every for k, v in part.items()}
         engine = t.rollout.engine
+        if engine is not None and rollout == "sglang":
+            engine = engine.engine.rollout  # the double's CPU model: what its TP workers loaded
         unequal, loaded = [], 0
         if engine is not None:
             for hf_name in engine.checkpoint_names():
@@ -81,9 +101,14 @@ def _sync(tmp, names):
     return out
 
 
-@pytest.mark.parametrize("names", [["ep2tp2-moe-to-tp2", "pp2vpp2-to-tp2"]], ids=["moe-vpp"])
-def test_rollout_weights_equal_the_full_gather_bit_for_bit(tmp_path, names):
-    ranks = run_on_ranks(_sync, 4, str(tmp_path), names)
+@pytest.mark.parametrize("rollout,names", [
+    ("cpu", ["ep2tp2-moe-to-tp2", "pp2vpp2-to-tp2"]),
+    ("sglang", ["ep2tp2-moe-to-tp2"]),
+    pytest.param("cpu", ["tp2pp2-to-tp1", "tp2-to-tp2"], marks=pytest.mark.slow),
+    pytest.param("sglang", ["tp2pp2-to-tp1", "tp2-to-tp2", "pp2vpp2-to-tp2"], marks=pytest.mark.slow),
+], ids=["cpu-moe-vpp", "sglang-moe", "cpu-tp-pp", "sglang-tp-pp-vpp"])
+def test_rollout_weights_equal_the_full_gather_bit_for_bit(tmp_path, rollout, names):
+    ranks = run_on_ranks(_sync, 4, str(tmp_path), names, rollout)
     for name in names:
         per = [r[name] for r in ranks]
         _, rollout_tp, _ = PAIRS[name]

@@ -211,6 +211,16 @@ def _check_slices(plan, ranks, globals_, values, got_from):
                     (rank, piece)
                 assert [p for o, p in per[other][1][k] if o == rank] == [p for o, p in sends[k] if o == other]
             assert sum(math.prod(p.shape) for _, p in recvs[k]) * plan.elt <= plan.bucket
+    # a backend loading whole HF tensors (SGLang) gets each tensor in one round, whatever its size
+    whole = plan.round_tensors(whole_tensors=True)
+    names = [n for r in whole for n, _, _ in r]
+    assert len(names) == len(set(names)) == len({t.hf_name for t in got_from})
+    split = [n for r in plan.round_tensors() for n, _, _ in r]
+    assert len(split) > len(set(split))  # without it, the tiny bucket cuts tensors by rows
+    for rank in (0, WORLD - 1):
+        sends, recvs = plan.slices_of(rank, whole_tensors=True)
+        for k, r in enumerate(recvs):
+            assert {p.hf_name for _, p in r} <= {n for n, _, _ in whole[k]}
     for rank, (_, recvs) in enumerate(per):
         have = sorted((p.hf_name, v) for r in recvs for _, p in r for v in _cut(values[p.hf_name], p.box).ravel())
         want = sorted((t.hf_name, v) for t in got_from if t.receiver == rank

@@ -95,7 +95,7 @@ class _Touch:
     def begin_sync(self):
         pass
 
-    def load_slices(self, pieces):
+    def load_slices(self, pieces, tensors, dtype=None, device=None):
         for _, _, t in pieces:
             t.reshape(-1)[:1].sum() if t.is_contiguous() else t[(0,) * t.dim()].item()
 

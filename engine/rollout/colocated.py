@@ -74,7 +74,7 @@ class _Solo:
 
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
-        self.loads_slices = engine.LOADS_SLICES
+        self.loads_slices, self.whole_tensors = engine.LOADS_SLICES, False
 
     def begin_sync(self):
         self.engine.begin_weight_update()
@@ -82,7 +82,7 @@ class _Solo:
     def load_bucket(self, named):
         self.engine.update_weights(named)
 
-    def load_slices(self, pieces):
+    def load_slices(self, pieces, tensors, dtype=None, device=None):
         self.engine.load_slices(pieces)
 
     def finish_sync(self):
@@ -203,7 +203,7 @@ class HybridEngine:
             if self.planned:
                 plan = transfer_plan_for(self.hf_config, self.layout, self.topology, self.chunks,
                                          self.bucket_megabytes)
-                self._plan = Delivery(plan, self.chunks)
+                self._plan = Delivery(plan, self.chunks, whole_tensors=self.rollout.whole_tensors)
             else:
                 self._plan = sync_plan(self.chunks)
         return self._plan

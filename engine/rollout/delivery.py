@@ -56,14 +56,19 @@ class DeliveryStats:
 class Delivery:
     """This rank's part of the plan, resolved against its model once (the layout is fixed)."""
 
-    def __init__(self, plan: TransferPlan, chunks):
+    def __init__(self, plan: TransferPlan, chunks, whole_tensors: bool = False):
         self.rank, self.world, self.plan = dist.get_rank(), dist.get_world_size(), plan
         self.params: Dict[str, torch.Tensor] = {s.global_name: p for p, s in local_shards(chunks)}
         dtypes = {p.dtype for p in self.params.values()}
         if len(dtypes) != 1:
             raise ValueError(f"the transfer plan sends one dtype per model; this rank holds {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
-        sends, recvs = plan.slices_of(self.rank)
+        self.device = next(iter(self.params.values())).device  # NCCL sends device tensors
+        # per round, the HF tensors (name, shape) it carries: a backend loading whole tensors
+        # gets each in one round (`whole_tensors`)
+        self.tensors = [[(n, shape) for n, shape, source in names if not _BUFFER.search(source)]
+                        for names in plan.round_tensors(whole_tensors)]
+        sends, recvs = plan.slices_of(self.rank, whole_tensors)
         # per round, {peer: [Slice]} in plan order. The router's expert bias is a buffer, not a
         # parameter: like the full-tensor path, the sync leaves it out (the rollout keeps the
         # bias it was built with)
@@ -85,7 +90,7 @@ class Delivery:
         start = time.perf_counter()
         received = sent = local = messages = peak = 0
         group.begin_sync()
-        for out, inc in zip(self.sends, self.recvs):
+        for out, inc, tensors in zip(self.sends, self.recvs, self.tensors):
             pieces = [(p.hf_name, p.box, self.params[p.source][p.local()]) for p in out.get(self.rank, ())]
             local += sum(t.numel() * t.element_size() for *_, t in pieces)
             held = 0
@@ -103,7 +108,7 @@ class Delivery:
                     reqs.append(dist.isend(pack, to))
                     sent += pack.numel() * pack.element_size()
                 if incoming:
-                    buf = torch.empty(sum(_numel(p.shape) for p in incoming), dtype=self.dtype)
+                    buf = torch.empty(sum(_numel(p.shape) for p in incoming), dtype=self.dtype, device=self.device)
                     reqs.append(dist.irecv(buf, frm))
                     offset = 0
                     for p in incoming:
@@ -116,7 +121,7 @@ class Delivery:
                 peak = max(peak, held + packed)
                 for req in reqs:
                     req.wait()
-            group.load_slices(pieces)
+            group.load_slices(pieces, tensors, dtype=self.dtype, device=self.device)
         group.finish_sync()
         return DeliveryStats(bytes=received, sent=sent, local=local, messages=messages,
                              rounds=len(self.sends), seconds=time.perf_counter() - start, peak_bytes=peak)

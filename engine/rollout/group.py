@@ -51,6 +51,17 @@ def recv_object(src):
     return pickle.loads(data.numpy().tobytes()), int(size)
 
 
+def full_shape(pieces: list, tensors: list, dtype, device) -> list:
+    """[(name, tensor of `shape`)] for each of `tensors`, holding `pieces` [(name, box, slice)]
+    where they sit and zeros elsewhere."""
+    out = {}
+    for name, shape in tensors:
+        out[name] = torch.zeros(shape, dtype=dtype, device=device)
+    for name, box, t in pieces:
+        out[name][tuple(slice(lo, hi) for lo, hi in box)].copy_(t)
+    return list(out.items())
+
+
 class GroupedRollout:
     """This rank's part of the rollout: its group, its engine (if it builds one), the routes.
 
@@ -61,7 +72,10 @@ class GroupedRollout:
 
     def __init__(self, topology: RolloutTopology, backend: type, engine_factory, dp_rank: int):
         self.topology, self.backend = topology, backend
-        self.loads_slices = backend.LOADS_SLICES  # the transfer plan's delivery (engine/rollout/delivery.py)
+        # the transfer plan's delivery (engine/rollout/delivery.py): slices, or whole tensors per
+        # TP worker for backends whose workers read each member's copy
+        self.loads_slices = backend.LOADS_SLICES or backend.SHARES_BUCKETS
+        self.whole_tensors = backend.SHARES_BUCKETS
         self.rank = dist.get_rank()
         self.group = topology.group_of(self.rank)
         self.is_leader = self.group.leader == self.rank
@@ -114,11 +128,23 @@ class GroupedRollout:
         elif self.is_leader:
             self.engine.update_weights(named_tensors)
 
-    def load_slices(self, pieces: list) -> None:
+    def load_slices(self, pieces: list, tensors: list, dtype=None, device=None) -> None:
         """Collective within the group: each member's slices of the transfer plan (what its TP
-        rank loads) into the engine. The CPU backend's one process plays every TP rank: the
-        leader gathers the members' slices and loads each (name, box) once (replicated tensors
-        come from every member)."""
+        rank loads) of one round, whose HF tensors are `tensors` [(name, shape)], into the engine.
+
+        A backend whose TP workers read each member's copy (SGLang: `SHARES_BUCKETS`) loads whole
+        HF tensors and each worker cuts its own shard from its member's copy
+        (sglang/srt/layers/linear.py's and vocab_parallel_embedding.py's weight loaders): each
+        member shares the round's tensors at full shape holding its slices, zeros elsewhere (no
+        worker reads there). The bytes that crossed the network are the slices alone; the memory
+        is the round's tensors (<= a bucket, or one tensor larger than it).
+
+        The CPU backend's one process plays every TP rank: the leader gathers the members'
+        slices and loads each (name, box) once (replicated tensors come from every member).
+        `dtype` / `device`: the training weights' (the full-shape tensors are made in them)."""
+        if self.backend.SHARES_BUCKETS:
+            self.load_bucket(full_shape(pieces, tensors, dtype, device))
+            return
         if self.group.tp == 1:
             self.engine.load_slices(pieces)
             return

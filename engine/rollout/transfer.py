@@ -8,31 +8,7 @@ Pure Python + numpy: no process group, any world size (1024 ranks of DeepSeek-V3
     plan.summary(nvlink_gbps=400, internode_gbps=50)  # planned vs today: bytes, messages, seconds
     plan.transfers(["model.layers.3.mlp.experts.7.down_proj.weight"])  # [Transfer(...)]
 
-The rollout side (SGLang's sharding at rollout TP R; `attention_dp` and `rollout_ep` split R as
-SGLang's --dp-size with DP attention and --ep-size do; attention TP rank = j % (R/attention_dp),
-MoE EP rank = j // (R/rollout_ep), MoE TP rank = j % (R/rollout_ep), j = the GPU's TP rank):
-  - q/k/v_proj (QKVParallelLinear), MLA's q_proj / q_b_proj / kv_b_proj (ColumnParallelLinear):
-    output dim (0) over attention TP; k/v heads fewer than attention TP are replicated, rank j
-    loading head j // (TP / kv heads)                        (sglang/srt/layers/linear.py)
-  - o_proj (RowParallelLinear): input dim (1) over attention TP   (sglang/srt/layers/linear.py)
-  - dense and shared-expert gate_proj / up_proj (MergedColumnParallelLinear): dim 0 over R;
-    down_proj (RowParallelLinear): dim 1 over R                  (sglang/srt/layers/linear.py)
-  - routed experts (FusedMoE): whole experts per MoE-EP rank (contiguous, E / rollout_ep each);
-    w1 / w3 (gate / up) on dim 0 and w2 (down) on dim 1 over MoE TP
-                                                 (sglang/srt/layers/moe/fused_moe_triton/layer.py)
-  - embed_tokens / lm_head (VocabParallelEmbedding / ParallelLMHead): dim 0, the vocabulary padded
-    to a multiple of 64 (of 64 x TP if that does not divide), rank j loads rows
-    [j * padded / TP, (j + 1) * padded / TP) of the real ones (sglang/srt/layers/vocab_parallel_embedding.py)
-  - MLA's q_a_proj and kv_a_proj_with_mqa (fused into one ReplicatedLinear), norms, the router
-    gate and its score-correction bias, shared-expert gates: replicated  (sglang/srt/models/deepseek_v2.py)
-
-The training side follows parallel/shards.py (tests/test_transfer_plan.py checks it against a
-meta build): column-parallel Megatron tensors (embedding, output layer, fused QKV, MLA's q/kv
-projections, fc1 with its gate and up halves split separately) on dim 0, row-parallel
-(linear_proj, fc2) on dim 1, over TP (experts: expert TP); norms and routers replicated. Ranks
-are Megatron's order: rank = tp + TP x (cp + CP x (dp + DP x pp)), experts rank = etp + ETP x
-(ep + EP x (edp + EDP x pp)); layer l sits on stage (l // (L / (PP x VPP))) % PP. A LoRA model
-sends W + (alpha / r) B A merged by the holder of W's slice: the bytes are those of W.
+Where each slice sits (SGLang's rule, Megatron's pieces): engine/rollout/slices.py.
 
 Senders: among the ranks holding a needed slice, the receiver itself (colocated: a copy on the
 GPU, no network), else one on its node, else any; ties are rotated over member, engine and
@@ -52,7 +28,6 @@ Tests: tests/test_transfer_plan.py
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -61,17 +36,12 @@ import numpy as np
 
 from engine.models.arch import arch_spec
 from engine.models.weights import expected_hf_tensors, global_shapes, row_blocks
+from engine.rollout.slices import (Box, RolloutShards, Shift, Slice, area, full_box, megatron_boxes, overlap, stage_of,
+                                   to_hf_boxes, training_split, with_range)
 from engine.rollout.topology import RolloutTopology
-
-Box = Tuple[Tuple[int, int], ...]  # [start, stop) per dimension of the HF tensor
-Shift = Tuple[int, ...]            # HF index + shift = index in the holder's local tensor
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-_COL0 = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-         "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
-         "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "linear_fc1.weight")
-_COL1 = ("linear_proj.weight", "linear_fc2.weight")
 GB = 1e9
 
 
@@ -83,24 +53,6 @@ class Transfer:
     sender: int
     receiver: int
     nbytes: int
-
-
-@dataclass(frozen=True)
-class Slice:
-    """What one rollout GPU loads of one HF tensor from one sender: the HF box, and where it sits
-    in the sender's local Megatron tensor (`source`, its global name; local index = HF + shift)."""
-    hf_name: str
-    box: Box
-    source: str
-    shift: Shift
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        return tuple(hi - lo for lo, hi in self.box)
-
-    def local(self) -> Tuple[slice, ...]:
-        """The index of this slice in the sender's local tensor."""
-        return tuple(slice(lo + s, hi + s) for (lo, hi), s in zip(self.box, self.shift))
 
 
 @dataclass
@@ -115,29 +67,6 @@ class _Group:
     replicated: bool
 
 
-def _overlap(a: Box, b: Box) -> Optional[Box]:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _area(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def _full(shape) -> Box:
-    return tuple((0, n) for n in shape)
-
-
-def _with(box: Box, dim: int, lo: int, hi: int) -> Box:
-    return box[:dim] + ((lo, hi),) + box[dim + 1:]
-
-
-def _chunk(n: int, parts: int, i: int, what: str) -> Tuple[int, int]:
-    if n % parts:
-        raise ValueError(f"{what}: {n} does not split over {parts} rollout ranks")
-    return i * (n // parts), (i + 1) * (n // parts)
-
-
 class TransferPlan:
     """The plan: see the module docstring. Build with `transfer_plan`."""
 
@@ -148,8 +77,8 @@ class TransferPlan:
         self.receivers = receivers                # (engines, R): global rank of each rollout GPU
         self.n_train, self.n_gpus, self.gpus_per_node = senders, n_gpus, gpus_per_node
         self.megatron_pieces, self.held, self.separate_pool = megatron_pieces, held, separate_pool
-        self.model_bytes = sum(len(g.names) * _area(_full(g.shape)) for g in groups) * elt
-        self.replicated_bytes = sum(len(g.names) * _area(_full(g.shape)) for g in groups
+        self.model_bytes = sum(len(g.names) * area(full_box(g.shape)) for g in groups) * elt
+        self.replicated_bytes = sum(len(g.names) * area(full_box(g.shape)) for g in groups
                                     if g.replicated) * elt
         self._pairs, self._cache = None, {}
 
@@ -189,29 +118,31 @@ class TransferPlan:
                 if need is None:
                     continue
                 for pi, (box, holders) in enumerate(g.pieces):
-                    part = _overlap(need, box)
+                    part = overlap(need, box)
                     if part is not None:
                         mask = None if g.owner is None else g.owner[:, j]
                         yield (g, mask, j, part) + self._senders(ordinal, j, holders) + (pi,)
 
-    def _units(self, g) -> List[Tuple[int, int, int, int]]:
-        """A group cut into units of at most one bucket: (first member, end, first row, end)."""
+    def _units(self, g, whole: bool) -> List[Tuple[int, int, int, int]]:
+        """A group cut into units of at most one bucket: (first member, end, first row, end).
+        `whole`: a tensor is never cut by rows (a larger one is a unit of its own)."""
         rows = g.shape[0]
-        row_bytes = _area(_full(g.shape)) // rows * self.elt
+        row_bytes = area(full_box(g.shape)) // rows * self.elt
         full, M = rows * row_bytes, len(g.names)
-        if full <= self.bucket:
+        if full <= self.bucket or whole:
             k = max(1, self.bucket // full)
             return [(m, min(M, m + k), 0, rows) for m in range(0, M, k)]
         k = max(1, self.bucket // row_bytes)
         return [(m, m + 1, r, min(rows, r + k)) for m in range(M) for r in range(0, rows, k)]
 
-    def rounds(self) -> List[List[Tuple[int, Tuple[int, int, int, int]]]]:
+    def rounds(self, whole_tensors: bool = False) -> List[List[Tuple[int, Tuple[int, int, int, int]]]]:
         """The sync's rounds, in order: consecutive units packed up to one bucket of HF tensor
-        bytes, so no GPU receives more than a bucket in a round. [(group ordinal, unit)]."""
+        bytes, so no GPU receives more than a bucket in a round. [(group ordinal, unit)].
+        `whole_tensors`: no tensor spans two rounds (backends that load whole HF tensors)."""
         out, current, room = [], [], self.bucket
         for ordinal, g in enumerate(self.groups):
-            row_bytes = _area(_full(g.shape)) // g.shape[0] * self.elt
-            for unit in self._units(g):
+            row_bytes = area(full_box(g.shape)) // g.shape[0] * self.elt
+            for unit in self._units(g, whole_tensors):
                 size = (unit[1] - unit[0]) * (unit[3] - unit[2]) * row_bytes
                 if current and size > room:
                     out.append(current)
@@ -220,15 +151,28 @@ class TransferPlan:
                 room -= size
         return out + ([current] if current else [])
 
-    def slices_of(self, rank: int) -> Tuple[List[List[tuple]], List[List[tuple]]]:
+    def round_tensors(self, whole_tensors: bool = False) -> List[List[Tuple[str, Tuple[int, ...], str]]]:
+        """Per round, the HF tensors it carries: (HF name, shape, Megatron source of member 0)."""
+        out = []
+        for units in self.rounds(whole_tensors):
+            names = []
+            for ordinal, (m0, m1, _, _) in units:
+                g = self.groups[ordinal]
+                names += [(g.names[m], g.shape, g.sources[0][0]) for m in range(m0, m1)
+                          if not names or names[-1][0] != g.names[m]]
+            out.append(names)
+        return out
+
+    def slices_of(self, rank: int, whole_tensors: bool = False) -> Tuple[List[List[tuple]], List[List[tuple]]]:
         """What `rank` sends and receives, per round (see `rounds`), in plan order, so both ends
         of a pair list their common slices alike: (sends, receives), each per round a list of
         (other rank, Slice). The diagonal (a GPU loading what it holds) is in both."""
         index = {}
-        for r, units in enumerate(self.rounds()):
+        rounds = self.rounds(whole_tensors)
+        for r, units in enumerate(rounds):
             for ordinal, unit in units:
                 index.setdefault(ordinal, []).append((unit, r))
-        nrounds = len(self.rounds())
+        nrounds = len(rounds)
         sends = [[] for _ in range(nrounds)]
         recvs = [[] for _ in range(nrounds)]
         ordinal_of = {id(g): i for i, g in enumerate(self.groups)}
@@ -246,7 +190,7 @@ class TransferPlan:
                 source = mname if len(g.names) == 1 else mname.replace(".local_experts.0.", f".local_experts.{mi}.", 1)
                 for (m0, m1, r0, r1), r in units:
                     if m0 <= mi < m1:
-                        box = _overlap(part, _with(part, 0, r0, r1))
+                        box = overlap(part, with_range(part, 0, r0, r1))
                         if box is not None:
                             yield r, Slice(name, box, source, shift)
             for ei in mine_in:
@@ -268,7 +212,7 @@ class TransferPlan:
             same: Dict[tuple, list] = {}   # slices with the same senders and receivers: summed first
             for g, mask, j, part, send, key, _ in self._walk():
                 entry = same.setdefault(key + (mask is not None,), [send, mask, j, 0])
-                entry[3] += _area(part) * self.elt
+                entry[3] += area(part) * self.elt
             keys, weights, size = [], [], 0
             for send, mask, j, nbytes in same.values():
                 if mask is not None:
@@ -292,7 +236,7 @@ class TransferPlan:
             for mi, name in enumerate(g.names):
                 if (wanted is not None and name not in wanted) or (mask is not None and not mask[mi]):
                     continue
-                out += [Transfer(name, part, int(s), int(r), _area(part) * self.elt)
+                out += [Transfer(name, part, int(s), int(r), area(part) * self.elt)
                         for s, r in zip(send[mi], self.receivers[:, j])]
         return out
 
@@ -351,114 +295,6 @@ class TransferPlan:
                     internode_gbps=internode_gbps, today=r(today), planned=r(planned))
 
 
-# --------------------------------------------------------------------------------------------
-# Building the plan
-# --------------------------------------------------------------------------------------------
-
-def _stage_of(layer: int, layers: int, pp: int, vpp: Optional[int]) -> int:
-    chunks = pp * (vpp or 1)
-    return (layer // (layers // chunks)) % pp
-
-
-def _training_split(rest: str):
-    """(dim, gated) of a Megatron tensor in the training layout (parallel/shards.py's rule)."""
-    for suffix in _COL0:
-        if rest.endswith(suffix):
-            return 0, suffix == "linear_fc1.weight"
-    if any(rest.endswith(s) for s in _COL1):
-        return 1, False
-    return None, False
-
-
-def _megatron_boxes(shape, dim, gated, count, t) -> List[Tuple[Box, int]]:
-    """Piece t of `count` of a Megatron tensor: (box in Megatron coordinates, the box's first
-    row in the holder's local tensor) for each part (a gated fc1's gate and up halves)."""
-    full = _full(shape)
-    if dim is None or count == 1:
-        return [(full, 0)]
-    if gated:
-        half = shape[0] // 2
-        step = half // count
-        return [(_with(full, 0, s + t * step, s + (t + 1) * step), k * step) for k, s in enumerate((0, half))]
-    step = shape[dim] // count
-    return [(_with(full, dim, t * step, (t + 1) * step), 0)]
-
-
-def _to_hf(blocks, mbox: Box, base: int = 0) -> Dict[str, List[Tuple[Box, Shift]]]:
-    """A Megatron box cut into HF boxes (rows through the row blocks; other dims unchanged),
-    each with the shift from HF to the holder's local indices (`base`: the box's first local
-    row). Rows adjacent in HF and in the local tensor are one box."""
-    out: Dict[str, List[Tuple[Box, Shift]]] = {}
-    (lo, hi), rest = mbox[0], mbox[1:]
-    tail = tuple(-a for a, _ in rest)
-    offset = 0
-    for name, start, rows in blocks:
-        a, b = max(lo, offset), min(hi, offset + rows)
-        if a < b:
-            boxes = out.setdefault(name, [])
-            row = (start + a - offset, start + b - offset)
-            shift = (offset - start - lo + base,) + tail
-            if boxes and boxes[-1][0][0][1] == row[0] and boxes[-1][0][1:] == rest and boxes[-1][1] == shift:
-                boxes[-1] = (((boxes[-1][0][0][0], row[1]),) + rest, shift)
-            else:
-                boxes.append(((row,) + rest, shift))
-        offset += rows
-    return out
-
-
-class _Rollout:
-    """SGLang's sharding rule (module docstring) for rollout TP rank j."""
-
-    def __init__(self, R, attention_dp, rollout_ep, head_dim, experts):
-        for name, v in (("attention_dp", attention_dp), ("rollout_ep", rollout_ep)):
-            if R % v:
-                raise ValueError(f"{name}={v} does not divide the rollout TP {R}")
-        if experts and experts % rollout_ep:
-            raise ValueError(f"rollout_ep={rollout_ep} does not divide the model's {experts} experts")
-        self.R, self.attn, self.moe_tp, self.ep = R, R // attention_dp, R // rollout_ep, rollout_ep
-        self.head_dim, self.experts = head_dim, experts
-
-    def need(self, name: str, shape) -> Tuple[List[Optional[Box]], bool]:
-        """(the box each rollout rank j loads, replicated?)."""
-        full, R = _full(shape), self.R
-        leaf = name.split(".")[-2] if name.count(".") else name
-        if leaf in ("embed_tokens", "lm_head"):
-            vocab = shape[0]
-            padded = -(-vocab // 64) * 64
-            if padded % R:
-                padded = -(-vocab // (64 * R)) * 64 * R
-            per = padded // R
-            return [_with(full, 0, j * per, min((j + 1) * per, vocab)) if j * per < vocab else None
-                    for j in range(R)], False
-        expert = ".experts." in name
-        if leaf in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
-            dim = 1 if leaf == "o_proj" else 0
-            return [_with(full, dim, *_chunk(shape[dim], self.attn, j % self.attn, name))
-                    for j in range(R)], False
-        if leaf in ("k_proj", "v_proj"):
-            heads, out = shape[0] // self.head_dim, []
-            for j in range(R):
-                i = j % self.attn
-                if heads >= self.attn:
-                    out.append(_with(full, 0, *_chunk(shape[0], self.attn, i, name)))
-                else:
-                    h = i // (self.attn // heads)
-                    out.append(_with(full, 0, h * self.head_dim, (h + 1) * self.head_dim))
-            return out, False
-        if leaf in ("gate_proj", "up_proj", "w1", "w3", "down_proj", "w2"):
-            dim = 1 if leaf in ("down_proj", "w2") else 0
-            tp = self.moe_tp if expert else R
-            return [_with(full, dim, *_chunk(shape[dim], tp, j % tp, name)) for j in range(R)], False
-        return [full] * R, True
-
-    def owner(self, members: int) -> Optional[np.ndarray]:
-        """(E, R): rollout rank j loads expert e when its MoE-EP rank owns e (None: all load all)."""
-        if self.ep == 1:
-            return None
-        per = self.experts // self.ep
-        return (np.arange(members)[:, None] // per) == (np.arange(self.R)[None, :] // self.moe_tp)
-
-
 def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_element: int = 2,
                   bucket_megabytes: float = 512, attention_dp: int = 1, rollout_ep: int = 1,
                   separate_pool: bool = False) -> TransferPlan:
@@ -479,7 +315,7 @@ def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_ele
     R = topology.tp
     offset = W if separate_pool else 0
     receivers = offset + np.array([g.ranks for g in topology.groups])
-    rollout = _Rollout(R, attention_dp, rollout_ep, t.get("kv_channels") or 1, experts)
+    rollout = RolloutShards(R, attention_dp, rollout_ep, t.get("kv_channels") or 1, experts)
     hf_shapes = expected_hf_tensors(hf_config)
 
     memo: Dict[tuple, np.ndarray] = {}
@@ -514,12 +350,12 @@ def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_ele
             continue
         rest = m.group(2) if m else gname
         if m:
-            stages = [_stage_of(int(m.group(1)), L, pp, layout.vpp)]
+            stages = [stage_of(int(m.group(1)), L, pp, layout.vpp)]
         elif gname.startswith("embedding"):
             stages = sorted({0, pp - 1}) if spec.tie_word_embeddings else [0]
         else:
             stages = [pp - 1]
-        dim, gated = _training_split(rest)
+        dim, gated = training_split(rest)
         count = (etp if e else tp) if dim is not None else 1
         M = experts if e else 1
         pieces_count += M * count
@@ -527,11 +363,11 @@ def transfer_plan(hf_config, layout, topology: RolloutTopology, *, bytes_per_ele
         per_hf: Dict[str, List[Tuple[Box, np.ndarray, Shift]]] = {}
         for ti in range(count):
             h = holders(stages, ti, count, owner_of if e else None)
-            for mbox, base in _megatron_boxes(shape, dim, gated, count, ti):
-                for name, boxes in _to_hf(blocks, mbox, base).items():
+            for mbox, base in megatron_boxes(shape, dim, gated, count, ti):
+                for name, boxes in to_hf_boxes(blocks, mbox, base).items():
                     for box, shift in boxes:
                         per_hf.setdefault(name, []).append((box, h, shift))
-                        np.add.at(held, h.ravel(), _area(box) * bytes_per_element)
+                        np.add.at(held, h.ravel(), area(box) * bytes_per_element)
         for name, pieces in per_hf.items():
             hf_shape = hf_shapes[name]
             needs, replicated = rollout.need(name, hf_shape)

@@ -38,6 +38,49 @@ def _record(kind, **fields):
             f.write(json.dumps(entry, default=str) + "\n")
 
 
+def tp_shard(name, shape, j, tp, config):
+    """The index of HF tensor `name` (of `shape`) that TP worker j of `tp` loads, or None for a
+    replicated weight (every worker loads it whole). ep_size = dp_size = 1 (Trident passes
+    neither). Mirrors the weight loaders of:
+      sglang/srt/layers/vocab_parallel_embedding.py  embed_tokens / lm_head: rows of the vocab
+          padded to a multiple of 64 (of 64 x tp when that does not divide), worker j's
+          [j * padded / tp, (j + 1) * padded / tp) of the real rows
+      sglang/srt/layers/linear.py  QKVParallelLinear (q/k/v_proj; k/v heads fewer than tp are
+          replicated: worker j loads head j // (tp / heads)), ColumnParallelLinear (MLA's q_b_proj,
+          kv_b_proj), MergedColumnParallelLinear (gate / up): output rows over tp;
+          RowParallelLinear (o_proj, down_proj): input columns over tp
+      sglang/srt/layers/moe/fused_moe_triton/layer.py  FusedMoE: an expert's w1 / w3 rows and
+          w2 columns over tp (ep_size 1: every worker holds every expert)
+    Everything else (norms, the router, MLA's q_a_proj / kv_a_proj_with_mqa) is replicated."""
+    leaf = name.split(".")[-2] if name.count(".") else name
+    whole = [slice(None)] * len(shape)
+
+    def along(dim, parts, i):
+        size = shape[dim] // parts
+        whole[dim] = slice(i * size, (i + 1) * size)
+        return tuple(whole)
+    if leaf in ("embed_tokens", "lm_head"):
+        padded = -(-shape[0] // 64) * 64
+        if padded % tp:
+            padded = -(-shape[0] // (64 * tp)) * 64 * tp
+        per = padded // tp
+        whole[0] = slice(min(j * per, shape[0]), min((j + 1) * per, shape[0]))
+        return tuple(whole)
+    if leaf in ("k_proj", "v_proj"):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = shape[0] // head_dim
+        if heads < tp:
+            h = j // (tp // heads)
+            whole[0] = slice(h * head_dim, (h + 1) * head_dim)
+            return tuple(whole)
+        return along(0, tp, j)
+    if leaf in ("q_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "w1", "w3"):
+        return along(0, tp, j)
+    if leaf in ("o_proj", "down_proj", "w2"):
+        return along(1, tp, j)
+    return None
+
+
 class Engine:
     def __init__(self, **kwargs):
         from sglang.srt.entrypoints.engine import check_arguments
@@ -87,12 +130,16 @@ class Engine:
             if len(value.values) != self.kwargs["tp_size"]:
                 raise ValueError(f"{name}: {len(value.values)} handles for tp_size={self.kwargs['tp_size']}")
             copies = [S.deserialize(v) for v in value.values]
-            if any(not torch.equal(copies[0], c) for c in copies[1:]):
-                raise ValueError(f"{name}: the group's ranks shared different tensors")
+            if any(c.shape != copies[0].shape for c in copies[1:]):
+                return False, f"{name}: the TP ranks' copies have shapes {[tuple(c.shape) for c in copies]}"
+            try:
+                weight = self._as_workers_load(name, copies)
+            except ValueError as e:
+                return False, str(e)
             names.append(name)
             shapes.append(list(copies[0].shape))
             origins.append([S.origin(v) for v in value.values])
-            loaded.append((name, copies[0]))
+            loaded.append((name, weight))
         _record("update_weights_from_tensor", names=names, shapes=shapes, origins=origins,
                 flush_cache=flush_cache, digests={n: digest(t) for n, t in loaded})
         try:
@@ -100,6 +147,24 @@ class Engine:
         except ValueError as e:  # a load failure answers (False, message)
             return False, str(e)
         return True, "Success"
+
+    def _as_workers_load(self, name, copies):
+        """The weight the TP workers hold after each loaded `name` from its own copy: worker j
+        keeps only its shard of copy j (the weight loaders narrow it), so the double assembles
+        those shards and nothing else; a replicated weight must be the same in every copy."""
+        if len(copies) == 1:
+            return copies[0]
+        out = torch.zeros_like(copies[0])
+        shards = [tp_shard(name, tuple(copies[0].shape), j, len(copies), self.rollout.model.config)
+                  for j in range(len(copies))]
+        if all(s is None for s in shards):
+            if any(not torch.equal(copies[0], c) for c in copies[1:]):
+                raise ValueError(f"{name}: a replicated weight differs between the TP workers' copies")
+            return copies[0]
+        for j, (copy, shard) in enumerate(zip(copies, shards)):
+            if shard is not None:
+                out[shard] = copy[shard]
+        return out
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
