@@ -90,7 +90,7 @@ def _sync_with(tmp, names, rollout):
                     if not torch.equal(engine.weight(hf_name), reference[hf_name].to(engine.dtype)):
                         unequal.append(hf_name)
         pairs, rank = t.colocated.plan().plan.pair_bytes(), dist.get_rank()
-        out[name] = dict(unequal=unequal, loaded=loaded, leader=engine is not None, received=stats.bytes,
+        out[name] = dict(unequal=unequal, loaded=loaded, leader=engine is not None, received=stats.received,
                          local=stats.local, peak=stats.peak_bytes, rounds=stats.rounds,
                          planned=(pairs[:, rank].sum() - pairs[rank, rank], pairs[rank, rank]),
                          model=sum(v.numel() * v.element_size() for v in reference.values()),

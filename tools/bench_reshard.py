@@ -133,7 +133,7 @@ def _time_sync(chunks, hf, layout, rollout_tp, bucket_bytes, repeat):
         dist.barrier()
         planned.append(time.perf_counter() - start)
     return dict(today_s=min(today), planned_s=min(planned), today_recv=plan.nbytes - held,
-                planned_recv=stats.bytes, planned_local=stats.local, planned_peak=stats.peak_bytes,
+                planned_recv=stats.received, planned_local=stats.local, planned_peak=stats.peak_bytes,
                 rounds=stats.rounds)
 
 

@@ -89,7 +89,8 @@ class DynamicSampling(Online):
         totals = torch.tensor([filtered, len(kept)], dtype=torch.float64)
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
         metrics = ctx.reward_metrics(extras)
-        metrics.update({"perf/update_weights_gb": sync.bytes / 1e9, "batch/num_gen_batches": float(tries),
+        metrics.update(sync.metrics())
+        metrics.update({"batch/num_gen_batches": float(tries),
                         "batch/filtered_groups": float(totals[0]), "batch/kept_groups": float(totals[1]),
                         "batch/rerouted_groups": float(len(moves))})
         return batch, metrics

@@ -9,7 +9,7 @@ from engine.experience.base import Source
 class Online(Source):
     def collect(self, ctx, prompts):
         sync = ctx.sync_weights()  # ends in the gen phase's memory (engine/config/phases.py)
-        return self.generate(ctx, prompts), {"perf/update_weights_gb": sync.bytes / 1e9}
+        return self.generate(ctx, prompts), sync.metrics()
 
     def generate(self, ctx, prompts, sampling=None):
         """This DP rank's Batch of the prompts' responses (collective), with ReMax's baselines."""

@@ -44,9 +44,8 @@ class SyncStats:
     peak_bytes: int   # most bytes resharding held at once on this rank (at most one bucket)
 
     def metrics(self):
-        return {"timing_s/update_weights": self.seconds,
-                "perf/update_weights_gb": self.bytes / 1e9,
-                "perf/update_weights_buckets": self.buckets}
+        """What a step logs of its sync (the phase times it)."""
+        return {"perf/update_weights_gb": self.bytes / 1e9}
 
 
 def bucket_bytes(bucket_megabytes) -> int:

@@ -38,19 +38,19 @@ _BUFFER = re.compile(r"\.router\.expert_bias$")
 
 @dataclass(frozen=True)
 class DeliveryStats:
-    bytes: int          # bytes this rank received from other ranks
+    bytes: int          # bytes this rank handed to its rollout engine (received + local)
+    received: int       # of which from other ranks
     sent: int           # bytes it sent to other ranks
-    local: int          # bytes it loaded from its own parameters (no network)
+    local: int          # bytes it handed over from its own parameters (no network)
     messages: int       # messages it received
     rounds: int
     seconds: float
     peak_bytes: int     # most bytes of buffers held at once (received + one packed message)
 
     def metrics(self):
-        return {"timing_s/update_weights": self.seconds,
-                "perf/update_weights_gb": (self.bytes + self.local) / 1e9,
-                "perf/update_weights_received_gb": self.bytes / 1e9,
-                "perf/update_weights_buckets": self.rounds}
+        """What a step logs of its sync (the phase times it): GB handed to the engine, of which
+        received from other ranks."""
+        return {"perf/update_weights_gb": self.bytes / 1e9, "perf/update_weights_received_gb": self.received / 1e9}
 
 
 class Delivery:
@@ -123,7 +123,7 @@ class Delivery:
                     req.wait()
             group.load_slices(pieces, tensors, dtype=self.dtype, device=self.device)
         group.finish_sync()
-        return DeliveryStats(bytes=received, sent=sent, local=local, messages=messages,
+        return DeliveryStats(bytes=received + local, received=received, sent=sent, local=local, messages=messages,
                              rounds=len(self.sends), seconds=time.perf_counter() - start, peak_bytes=peak)
 
 
