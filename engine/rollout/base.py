@@ -1,4 +1,4 @@
-"""The rollout interface shared by the SGLang (GPU) and CPU backends.
+"""The rollout interface shared by the SGLang and vLLM (GPU) and CPU backends.
 
 A weight sync is a series of ``update_weights`` calls, each with one bucket of full
 (unsharded) tensors under their Hugging Face checkpoint names, closed by one
@@ -8,7 +8,8 @@ Between phases of a colocated PPO step the engine gives its memory back with
 re-sent after a resume. `ROLLOUT_MEMORY` names the two parts of that memory.
 Which backend runs for a config is decided in engine/rollout/registry.py.
 
-Tests: tests/test_rollout_cpu.py, tests/test_sglang_double.py, tests/test_sglang_contract.py
+Tests: tests/test_rollout_cpu.py, tests/test_sglang_double.py, tests/test_sglang_contract.py,
+tests/test_vllm_adapter.py
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ FINISH_ABORT = "abort"    # the engine gave up on it (SGLang: out of KV cache): 
 # cache); release_memory / resume_memory take them, the memory schedule (engine/config/phases.py)
 # says which are resident in each phase
 ROLLOUT_MEMORY = ("weights", "kv_cache")
+
+
+class RolloutAborted(RuntimeError):
+    """The engine aborted a request (SGLang, vLLM: its KV cache could not hold the sequence): the
+    step is not trained on a cut-off response."""
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ imports them all (none imports its GPU library at module level).
 `rollout_backend(name, device, here=...)` is the one place that decides which backend runs for a
 config ('auto' resolved, a backend the device cannot run refused) and, with `here`, whether this
 machine can run it; `sglang_installed` / `sglang_test_double` / `sglang_runs_here` are the only
-answers to "is sglang importable / its CPU double / able to serve here". Callers: the config's
+answers to "is sglang importable / its CPU double / able to serve here", `vllm_installed` /
+`vllm_runs_here` the same for vllm. Callers: the config's
 validation and derivation (engine/config/validate.py, devices.py: also tools/plan.py through
 derive), engine/train.py before any model is built, `make_rollout`, and tools/gpu_check.sh's
 choice of rollout.
 
-Tests: tests/test_rollout_cpu.py, tests/test_config.py, tests/test_gpu_check.py, tests/test_sglang_double.py
+Tests: tests/test_rollout_cpu.py, tests/test_config.py, tests/test_gpu_check.py, tests/test_sglang_double.py,
+tests/test_vllm_adapter.py
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 
 import engine.rollout.cpu  # noqa: F401  (registers 'cpu')
 import engine.rollout.sglang  # noqa: F401  (registers 'sglang')
+import engine.rollout.vllm  # noqa: F401  (registers 'vllm')
 from engine.rollout.base import ROLLOUT_BACKENDS, RolloutEngine
 
 KEY = "actor_rollout_ref.rollout.name"
@@ -58,20 +61,31 @@ def sglang_runs_here() -> bool:
     return sglang_installed() and (torch.cuda.is_available() or sglang_test_double())
 
 
+def vllm_installed() -> bool:
+    """The vllm package can be imported here (never imports it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_runs_here() -> bool:
+    """vLLM can serve on this machine: installed, and a CUDA GPU visible."""
+    return vllm_installed() and torch.cuda.is_available()
+
+
 def rollout_backend(name: str, device: str = "auto", *, here: bool = False) -> str:
     """The one answer to "which rollout backend runs": rollout.name `name` beside a trainer on
     `device` (trainer.device: 'cuda', 'cpu', or 'auto' while it is not resolved yet).
 
-    'auto' is sglang on 'cuda' and cpu on 'cpu' (and stays 'auto' while the device does). A
-    backend the device cannot run raises ValueError naming the key and the fix: sglang and hf need
-    'cuda' (SGLang's test double runs on CPU). The config layer asks without `here` (a plan may
-    describe another machine); with `here`, device 'auto' is this machine's and the machine is
-    checked first: a CUDA GPU visible where the backend needs one, the sglang package installed.
+    'auto' is sglang on 'cuda' (vllm instead where vllm is installed and sglang is not) and cpu on
+    'cpu' (and stays 'auto' while the device does). A backend the device cannot run raises
+    ValueError naming the key and the fix: sglang, vllm and hf need 'cuda' (SGLang's test double
+    runs on CPU). The config layer asks without `here` (a plan may describe another machine); with
+    `here`, device 'auto' is this machine's and the machine is checked first: a CUDA GPU visible
+    where the backend needs one, the sglang / vllm package installed.
     """
     if here and device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "auto" and device != "auto":
-        name = "sglang" if device == "cuda" else "cpu"
+        name = _auto_gpu_backend() if device == "cuda" else "cpu"
     if name == "auto":
         return name
     needs_cuda = backend_class(name).NEEDS_CUDA
@@ -86,8 +100,17 @@ def rollout_backend(name: str, device: str = "auto", *, here: bool = False) -> s
     return name
 
 
+def _auto_gpu_backend() -> str:
+    """'auto' beside a CUDA trainer: sglang, or vllm where only vllm is installed (neither: sglang,
+    whose absence `here` reports with the install hint; a plan may describe another machine)."""
+    return "vllm" if vllm_installed() and not sglang_installed() else "sglang"
+
+
 def _check_machine(name: str, needs_cuda: bool) -> None:
     """One clear error when backend `name` cannot run on this machine."""
+    if name == "vllm" and not vllm_runs_here():
+        raise ValueError(f"{KEY}='vllm' needs vLLM installed (pip install -e .[gpu]) and a CUDA GPU; "
+                         f"use 'cpu' here")
     if name == "sglang" and not sglang_runs_here():
         if sglang_installed() or not torch.cuda.is_available():
             raise ValueError(f"{KEY}='sglang' needs a CUDA GPU and none is visible; use name='cpu' "

@@ -22,8 +22,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from engine.rollout.base import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput, SamplingParams,
-                                 register_rollout)
+from engine.rollout.base import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutAborted, RolloutEngine,
+                                 RolloutOutput, SamplingParams, register_rollout)
 
 SGLANG_VERSION = "0.5.21"
 
@@ -161,11 +161,6 @@ def request_seed(seed: Optional[int], key: int, sample: int) -> int:
 
 
 FINISH_TYPES = ("stop", "length", "abort")  # USED_API["finish_reasons"]
-
-
-class RolloutAborted(RuntimeError):
-    """SGLang aborted a request (its KV cache could not hold the sequence): the step is not
-    trained on a cut-off response."""
 
 
 def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = None,
