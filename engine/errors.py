@@ -3,7 +3,9 @@
 The rule: an exception is the user's mistake if and only if it is a `UserError`. Its message
 names the field (recipe key, CLI flag, file, column, tensor), the value and the fix. Entry points
 (`engine.train`, every tools/ script) print it as one line, `error: <message>`, on stderr and
-exit with code 2; under a launcher (torchrun, mp.spawn) only rank 0 prints. Every other
+exit with code 2; under a launcher (torchrun, mp.spawn) only rank 0 prints. An error with
+`lines` (a recipe with several keys to change: engine/config/load.py) prints its headline on that
+line and each of its lines, indented, below it: still one message. Every other
 exception is a bug and keeps its traceback.
 
 Subclasses: `engine.config.ConfigError` (recipes, overrides, layouts), `DataError` (data
@@ -79,10 +81,13 @@ def _write_launcher_error_file(line: str) -> None:
 def report(error: BaseException, rank=None) -> int:
     """Print `error: <message>` once per job (rank 0) and return the exit code 2."""
     rank = launcher_rank() if rank is None else rank
-    line = f"error: {one_line(error)}"
+    lines = getattr(error, "lines", None)  # several keys at once: a headline, then one line each
+    text = (str(error).splitlines()[0] + "".join(f"\n  {one_line(x)}" for x in lines)) if lines \
+        else one_line(error)
+    line = f"error: {text}"
     if rank != 0:
         time.sleep(PEER_GRACE_S)  # ended here by the launcher when rank 0 reports the same error
-        line = f"error (rank {rank}): {one_line(error)}"
+        line = f"error (rank {rank}): {text}"
     try:
         sys.stdout.flush()
     except (OSError, ValueError):

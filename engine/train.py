@@ -325,6 +325,7 @@ def main(argv=None):
 
 def _main(argv=None):
     from engine.config import load_config
+    from engine.config.load import log_notes
     from engine.errors import UsageError
     from engine.phase import set_phase
 
@@ -338,11 +339,13 @@ def _main(argv=None):
     if argv[0].startswith("-"):
         raise UsageError(f"unknown option {argv[0]!r}; {usage}")
     recipe, overrides = argv[0], argv[1:]
-    cfg = load_config(recipe, overrides)
+    notes = []  # on verl's keys: logged once the recipe passes prepare (an error shows alone)
+    cfg = load_config(recipe, overrides, notes=notes)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.trainer.rollout_pool == "separate":  # the training ranks' world
         world_size -= cfg.trainer.rollout_pool_ranks
     prepared = prepare(cfg, world_size)  # every check that needs no process group
+    log_notes(notes)
 
     import torch
     import torch.distributed as dist

@@ -122,7 +122,7 @@ def test_empty_yaml_section_means_defaults(tmp_path):
      ["'actor_rollout_ref.kl_loss_coef'", "'actor_rollout_ref.actor.kl_loss_coef'"]),
     ("tranier.logger=[console]", ["'tranier'", "did you mean 'trainer'"]),
     ("actor_rollout_ref.actor.grad_clip=1.0", ["actor_rollout_ref.actor.optim.clip_grad"]),
-    ("data.zzz=1", ["'data.zzz'", "valid keys under 'data'", "max_prompt_length"]),
+    ("data.zzz=1", ["'data.zzz'", "no key of that name in 'data'", "DataConfig in engine/config/schema.py"]),
 ])
 def test_unknown_override_key_names_it_and_suggests(override, parts):
     assert_mentions(error_of(demo, override), *parts)

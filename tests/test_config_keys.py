@@ -18,10 +18,10 @@ DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
 # Keys accepted with one value only; any other is refused with a message (tested below).
 REFUSED = {"actor_rollout_ref.hybrid_engine": (False, "only the colocated hybrid engine"),
-           "actor_rollout_ref.actor.strategy": ("fsdp", "is not allowed")}
+           "actor_rollout_ref.actor.strategy": ("fsdp", "Trident trains with Megatron-core")}
 # Where a key's value is read: the engine, minus the schema, its loading and its range checks.
 NOT_READERS = ("engine/config/schema.py", "engine/config/load.py", "engine/config/validate.py",
-               "engine/config/validate_experience.py")
+               "engine/config/validate_experience.py", "engine/config/verl.py")
 
 
 def _leaves(cls=TridentConfig, prefix=""):

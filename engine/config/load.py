@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from engine.config import verl
 from engine.config.schema import ALIASES, MOVED_KEYS, ConfigError, TridentConfig, join_key
 from engine.config.validate import validate
 
@@ -71,26 +72,75 @@ def _read_recipe(path) -> str:
 # Loading: mappings and overrides onto typed dataclasses
 # --------------------------------------------------------------------------------------------
 
-def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> TridentConfig:
-    """Defaults <- YAML file (if any) <- `a.b.c=value` overrides, then `validate`."""
+class _Loading:
+    """What one load met besides values: a line per key that cannot be taken (`problems`) and a
+    note per verl key read as, or ignored in favour of, what Trident does (`notes`)."""
+
+    def __init__(self, root: TridentConfig):
+        self.root, self.problems, self.notes = root, {}, {}
+
+    def forget(self, key: str) -> None:
+        """An override sets `key` again: what the file said about it (or below it) is gone."""
+        for table in (self.problems, self.notes):
+            for k in [k for k in table if k == key or k.startswith(key + ".")]:
+                del table[k]
+
+    def check(self) -> None:
+        """Every key that cannot be taken, in one error: one line each (a recipe brought from verl
+        has several such keys, and fixing them one run at a time costs a launch each); one
+        problem keeps its plain one-line message."""
+        lines = list(self.problems.values())
+        if len(lines) == 1:
+            raise ConfigError(lines[0])
+        if lines:
+            error = ConfigError(f"{len(lines)} keys of this recipe need changing, one per line:\n"
+                                + "\n".join(f"  {line}" for line in lines))
+            error.lines = lines  # engine/errors.py report() prints them one per line
+            raise error
+
+    def log_notes(self, keep: Optional[list] = None) -> None:
+        if keep is not None:
+            keep.extend(self.notes.values())
+        else:
+            log_notes(self.notes.values())
+
+
+def log_notes(notes: typing.Iterable[str]) -> None:
+    """The notes of a load (verl's keys read as Trident's, or ignored): one log line each, rank 0."""
+    if os.environ.get("RANK", "0") == "0":  # one note per job, not per rank
+        for note in notes:
+            log.warning("%s", note)
+
+
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = (),
+                notes: Optional[list] = None) -> TridentConfig:
+    """Defaults <- YAML file (if any) <- `a.b.c=value` overrides, then `validate`. The notes on
+    verl's keys are logged, or appended to `notes` for the caller to log once its own checks pass
+    (engine/train.py: a job that stops at a later check shows its error alone)."""
     cfg = TridentConfig()
+    loading = _Loading(cfg)
     if path is not None:
         data = _parse_yaml(_read_recipe(path), str(path))
         if data is not None:
-            _merge(cfg, data, "")
+            _merge(cfg, data, "", loading)
     for override in overrides:
-        apply_override(cfg, override)
+        apply_override(cfg, override, loading)
+    loading.check()
     _expand_user(cfg)
     validate(cfg)
+    loading.log_notes(notes)
     return cfg
 
 
 def from_dict(data: dict) -> TridentConfig:
     """Build and validate a config from a nested mapping (missing keys take defaults)."""
     cfg = TridentConfig()
-    _merge(cfg, data, "")
+    loading = _Loading(cfg)
+    _merge(cfg, data, "", loading)
+    loading.check()
     _expand_user(cfg)
     validate(cfg)
+    loading.log_notes()
     return cfg
 
 
@@ -118,28 +168,55 @@ def to_yaml(cfg: TridentConfig) -> str:
     return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
-def apply_override(cfg: TridentConfig, override: str) -> None:
-    """Set one `dotted.key=value` in place; the value is parsed as YAML (1e-3, true, [1,2], null)."""
+def apply_override(cfg: TridentConfig, override: str, loading: Optional[_Loading] = None) -> None:
+    """Set one `dotted.key=value` in place; the value is parsed as YAML (1e-3, true, [1,2], null).
+    Alone (no `loading`), a key that cannot be taken raises at once."""
     key, sep, text = override.partition("=")
     key = key.strip().lstrip("+")  # verl/Hydra habit: `+key=value`; every key here is in the schema
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {override!r} must look like section.key=value, "
                           f"e.g. actor_rollout_ref.actor.kl_loss_coef=0.002")
     value = _parse_yaml(text, f"override {override!r}")
-    _set_path(cfg, key.split("."), value, "")
+    alone = loading is None
+    loading = _Loading(cfg) if alone else loading
+    loading.forget(ALIASES[key][0] if key in ALIASES else key)
+    loading.forget(key)
+    try:
+        if verl.handles(key):
+            _verl(key, value, loading)
+        else:
+            _set_path(cfg, key.split("."), value, "", loading)
+    except ConfigError as e:
+        loading.problems[key] = str(e)
+    if alone:
+        loading.check()
+        loading.log_notes()
 
 
-def _alias(key: str):
+def _alias(key: str, loading: _Loading):
     """The schema path a verl alias stands for (engine.config.schema.ALIASES), with a note."""
     target, note = ALIASES[key]
-    if os.environ.get("RANK", "0") == "0":  # one note per job, not per rank
-        log.warning("config: %s is verl's name; %s (read as %s)", key, note, target)
+    loading.notes[key] = f"config: {key} is verl's name; {note} (read as {target})"
     return target
 
 
-def _merge(obj: Any, data: Any, prefix: str, root: Any = None) -> None:
-    """`root`: the whole config (an alias may point into another section)."""
-    root = obj if root is None else root
+def _verl(key: str, value: Any, loading: _Loading) -> None:
+    """A verl key engine/config/verl.py answers for: read as Trident's key(s), noted, or refused."""
+    for answer in verl.resolve(key, value, in_schema=key in all_keys()):
+        if answer.kind == "refuse":
+            loading.problems[answer.key] = answer.line
+            continue
+        if answer.line:
+            loading.notes[answer.key] = answer.line
+        for target in answer.targets or ((answer.key,) if answer.kind == "accept" else ()):
+            try:
+                _set_path(loading.root, target.split("."), answer.value, "", loading)
+            except ConfigError as e:
+                loading.problems[answer.key] = str(e)
+
+
+def _merge(obj: Any, data: Any, prefix: str, loading: _Loading) -> None:
+    """Each key's problem is recorded (`loading.problems`) and the rest read on."""
     if data is None:  # an empty YAML section (`critic:`) keeps its defaults
         return
     if not isinstance(data, dict):
@@ -147,31 +224,35 @@ def _merge(obj: Any, data: Any, prefix: str, root: Any = None) -> None:
                           f"{type(obj).__name__} keys")
     for name, value in data.items():
         key = join_key(prefix, str(name))
-        if key in ALIASES:
-            _set_path(root, _alias(key).split("."), value, "")
-            continue
-        tp = _field_type(type(obj), str(name), key)
-        if dataclasses.is_dataclass(tp):
-            _merge(getattr(obj, name), value, key, root)
-        else:
-            setattr(obj, name, _convert(value, tp, key))
+        try:
+            if key in ALIASES:
+                _set_path(loading.root, _alias(key, loading).split("."), value, "", loading)
+            elif verl.handles(key):
+                _verl(key, value, loading)
+            else:
+                tp = _field_type(type(obj), str(name), key)
+                if dataclasses.is_dataclass(tp):
+                    _merge(getattr(obj, name), value, key, loading)
+                else:
+                    setattr(obj, name, _convert(value, tp, key))
+        except ConfigError as e:
+            loading.problems[key] = str(e)
 
 
-def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, root: Any = None) -> None:
-    root = obj if root is None else root
+def _set_path(obj: Any, parts: list[str], value: Any, prefix: str, loading: _Loading) -> None:
     name, rest = parts[0], parts[1:]
     key = join_key(prefix, name)
     if not prefix and ".".join(parts) in ALIASES:
-        parts = _alias(".".join(parts)).split(".")
+        parts = _alias(".".join(parts), loading).split(".")
         name, rest, key = parts[0], parts[1:], parts[0]
     tp = _field_type(type(obj), name, key)
     if not rest:
         if dataclasses.is_dataclass(tp):
-            _merge(getattr(obj, name), value, key, root)
+            _merge(getattr(obj, name), value, key, loading)
         else:
             setattr(obj, name, _convert(value, tp, key))
     elif dataclasses.is_dataclass(tp):
-        _set_path(getattr(obj, name), rest, value, key, root)
+        _set_path(getattr(obj, name), rest, value, key, loading)
     elif _strip_optional(tp) is dict:  # free-form dicts (model.config, override_config) take sub-keys
         new = copy.deepcopy(getattr(obj, name)) or {}
         node = new
@@ -224,8 +305,9 @@ def _unknown_key_message(key: str, cls: type) -> str:
     elsewhere = [k for k in all_keys() if k.rpartition(".")[2] == leaf]  # right name, wrong section
     if elsewhere:
         return f"unknown config key {key!r}; did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?"
-    return (f"unknown config key {key!r}; valid keys under {parent or 'the top level'!r}: "
-            f"{', '.join(siblings)}")
+    # never the section's whole key list (30 names hide the one line that matters)
+    return (f"unknown config key {key!r}: no key of that name in {parent or 'the top level'!r} nor "
+            f"elsewhere; remove it (the keys: {cls.__name__} in engine/config/schema.py)")
 
 
 def _strip_optional(tp: Any) -> Any:

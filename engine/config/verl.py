@@ -1,0 +1,199 @@
+"""verl's keys that are not Trident's keys as they stand: FSDP's (`strategy`, `fsdp_config.*`,
+Ulysses), vLLM's rollout switches, and a few more a verl recipe carries.
+
+Each key gets exactly one line, never a list of a section's keys:
+- read as Trident's own key(s) (`alias`): one note in the log;
+- at a value that asks for what Trident does anyway (`same`): accepted, one note saying why
+  nothing is set (none for `strategy: megatron`, which is simply what runs);
+- any other value: refused, one line naming the key, the value and what to use instead.
+
+`resolve(key, value)` answers for one key (a section such as `fsdp_config` yields one answer per
+key inside it); engine/config/load.py applies the answers, gathers the refusals of a whole recipe
+into one error and logs the notes once the recipe validates. ALIASES and MOVED_KEYS in
+engine/config/schema.py are verl's renamed keys; this module is for keys with no Trident name
+(a key the schema gains, e.g. rollout.enforce_eager once a backend reads it, leaves KEYS: its
+refusal would shadow it; tests/test_verl_configs.py checks).
+
+Tests: tests/test_verl_configs.py, tests/test_config_keys.py
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Union
+
+ANY = None  # `same=ANY`: every value asks for what Trident does (the key has no meaning here)
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    fix: str = ""                       # refused values: what to use instead
+    same: Union[tuple, Callable, None] = ()  # accepted values (a tuple, a predicate, or ANY)
+    note: str = ""                      # why an accepted value sets nothing ("" : no note)
+    alias: tuple = ()                   # Trident keys the value is read as
+
+    def accepts(self, value: Any) -> bool:
+        if self.same is ANY:
+            return True
+        if callable(self.same):
+            return self.same(value)
+        return any(value == s and type(value) is type(s) for s in self.same)
+
+
+@dataclass(frozen=True)
+class Answer:
+    kind: str           # "alias" | "note" | "refuse" | "accept" (a Trident key at a value it takes)
+    key: str            # the verl key (a leaf)
+    value: Any
+    line: str = ""      # the note or the refusal
+    targets: tuple = ()  # alias: the Trident keys to set
+
+
+# The sections that carry verl's FSDP keys, their Megatron section here, and whether the model
+# trains (the reference and the reward model are frozen: no gradients, no optimizer).
+FSDP_SECTIONS = {
+    "actor_rollout_ref.actor": ("actor_rollout_ref.actor.megatron", True),
+    "actor_rollout_ref.ref": ("actor_rollout_ref.ref.megatron", False),
+    "critic.model": ("critic.megatron", True),
+    "reward_model.model": ("reward_model.megatron", False),
+}
+# verl's `strategy` key of each model section -> that model's Megatron section
+STRATEGY_KEYS = {
+    "actor_rollout_ref.actor.strategy": "actor_rollout_ref.actor.megatron",
+    "actor_rollout_ref.ref.strategy": "actor_rollout_ref.ref.megatron",
+    "critic.strategy": "critic.megatron",
+    "reward_model.strategy": "reward_model.megatron",
+}
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def _strategy(meg: str) -> VerlKey:
+    trains = not meg.startswith(("actor_rollout_ref.ref", "reward_model"))
+    shard = (f"{meg}.use_distributed_optimizer: true (the default) shards the optimizer state over DP "
+             f"and {meg}.tensor_model_parallel_size the parameters" if trains else
+             "this frozen model takes the actor's layout (actor_rollout_ref.actor.megatron)")
+    return VerlKey(same=("megatron",),
+                   fix="Trident trains with Megatron-core (FSDP on Megatron-core is planned, not here yet); "
+                       f"set it to megatron: {shard}")
+
+
+def _fsdp(meg: str, trains: bool) -> dict[str, VerlKey]:
+    frozen = "the model is frozen (no gradients, no optimizer)"
+    out = {
+        "param_offload": VerlKey(
+            alias=(f"{meg}.param_offload",) + ((f"{meg}.grad_offload",) if trains else ()),
+            note=f"read as {meg}.param_offload" + (" and grad_offload (Megatron keeps a gradient "
+                                                    "buffer that FSDP frees after each step)" if trains else "")),
+        "offload_policy": VerlKey(
+            same=(False,), note="FSDP2's CPU offload policy off, as here",
+            fix="FSDP2's CPU offload policy (the optimizer step run on the CPU) has no Megatron-core "
+                f"counterpart here; remove it: {meg}.param_offload, grad_offload and optimizer_offload "
+                "move each state to the host while the model is idle"),
+        "reshard_after_forward": VerlKey(
+            same=ANY, note="Megatron-core never gathers whole parameters (each rank keeps its TP/PP "
+                           "shard), so there is nothing to reshard"),
+        "forward_prefetch": VerlKey(
+            same=(False,), note="no FSDP all-gather to prefetch, as false asks",
+            fix=(f"FSDP's all-gather prefetch; use {meg}.overlap_param_gather: true (the distributed "
+                 "optimizer's parameter all-gather overlapped with the forward)") if trains else
+                f"{frozen}: no parameter all-gather to prefetch; remove it"),
+        "fsdp_size": VerlKey(
+            same=(-1,), note="Megatron-core's distributed optimizer shards over all DP ranks, as -1 asks",
+            fix=f"FSDP's shard-group size (HSDP); Megatron-core shards the parameters over {meg}."
+                "tensor_model_parallel_size and the optimizer state over all DP ranks; remove it"),
+        "wrap_policy": VerlKey(
+            same=ANY, note="FSDP's wrapping units; Megatron-core builds its own layers"),
+    }
+    out["optimizer_offload"] = (VerlKey(alias=(f"{meg}.optimizer_offload",), note=f"read as {meg}.optimizer_offload")
+                                if trains else
+                                VerlKey(same=(False,), note=f"{frozen}, nothing to offload",
+                                        fix=f"{frozen}; remove it ({meg}.param_offload offloads its weights)"))
+    return out
+
+
+def _ulysses(meg: str) -> VerlKey:
+    return VerlKey(same=(1,), note="Ulysses sequence parallelism is off, as here",
+                   fix=f"Ulysses sequence parallelism is FSDP's; Megatron-core splits long sequences over "
+                       f"{meg}.context_parallel_size (and sequence_parallel with TP); remove it")
+
+
+def _dummy(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("dummy")
+
+
+KEYS: dict[str, VerlKey] = {
+    **{key: _strategy(meg) for key, meg in STRATEGY_KEYS.items()},
+    **{f"{s}.ulysses_sequence_parallel_size": _ulysses(meg) for s, (meg, _) in FSDP_SECTIONS.items()
+       if not s.endswith(".model")},
+    "critic.ulysses_sequence_parallel_size": _ulysses("critic.megatron"),
+    "reward_model.ulysses_sequence_parallel_size": _ulysses("reward_model.megatron"),
+    # vLLM's engine switches (the rollout keys Trident shares with verl are in its schema)
+    f"{ROLLOUT}.enforce_eager": VerlKey(
+        same=(False,), note="the GPU rollout (SGLang) captures CUDA graphs, as vLLM does with false",
+        fix="the rollout engine's CUDA graphs cannot be turned off from a recipe yet; remove it "
+            f"(or set {ROLLOUT}.name=hf: transformers, no CUDA graphs)"),
+    f"{ROLLOUT}.enable_chunked_prefill": VerlKey(
+        same=(True,),
+        note=f"the GPU rollout (SGLang) prefills in chunks of {ROLLOUT}.max_num_batched_tokens, as true asks",
+        fix=f"the rollout always prefills in chunks of {ROLLOUT}.max_num_batched_tokens; remove it "
+            "(a max_num_batched_tokens >= prompt_length + response_length prefills each prompt whole)"),
+    f"{ROLLOUT}.load_format": VerlKey(
+        same=_dummy, note="the rollout engine starts without the checkpoint and receives the actor's "
+                          "weights before it generates, as dummy* asks",
+        fix="the rollout engine always starts with dummy weights and receives the actor's before it "
+            "generates (nothing is loaded from disk); remove it"),
+    f"{ROLLOUT}.max_model_len": VerlKey(
+        same=(None,), note="each engine's context is prompt_length + response_length, as null asks",
+        fix=f"each engine's context is {ROLLOUT}.prompt_length + response_length (data.max_prompt_length + "
+            "max_response_length by default); remove it and set those"),
+    "trainer.critic_warmup": VerlKey(
+        same=(0,), note="the actor trains from the first step, as 0 asks",
+        fix="no critic-only warm-up steps yet: the actor trains from the first step; remove it (or start "
+            "from a critic trained beforehand: critic.model.path)"),
+}
+
+
+def _fsdp_key(key: str) -> Optional[tuple[str, VerlKey]]:
+    """(section, entry) for `<section>.fsdp_config.<name>`; an unknown name gets the generic line."""
+    for section, (meg, trains) in FSDP_SECTIONS.items():
+        head = f"{section}.fsdp_config."
+        if key.startswith(head):
+            name = key[len(head):]
+            return section, _fsdp(meg, trains).get(name) or VerlKey(
+                fix=f"an FSDP setting of verl's; Trident trains with Megatron-core (this model's "
+                    f"settings are {meg}.*); remove it")
+    return None
+
+
+def is_fsdp_section(key: str) -> bool:
+    return any(key == f"{section}.fsdp_config" for section in FSDP_SECTIONS)
+
+
+def handles(key: str) -> bool:
+    """Whether `key` (dotted) is one of verl's keys this module answers for."""
+    return key in KEYS or is_fsdp_section(key) or _fsdp_key(key) is not None
+
+
+def resolve(key: str, value: Any, in_schema: bool) -> Iterator[Answer]:
+    """What to do with verl's `key`=`value` (`in_schema`: Trident has a key of that name)."""
+    if is_fsdp_section(key):
+        if value is None:  # an empty section
+            return
+        if not isinstance(value, dict):
+            yield Answer("refuse", key, value, f"{key}={value!r}: expected a mapping of verl's FSDP keys; "
+                                               "remove it (Trident trains with Megatron-core)")
+            return
+        for name, sub in value.items():
+            yield from resolve(f"{key}.{name}", sub, False)
+        return
+    fsdp = _fsdp_key(key)
+    entry = fsdp[1] if fsdp else KEYS[key]
+    if entry.alias:
+        yield Answer("alias", key, value, f"config: {key} is verl's FSDP name; {entry.note}", entry.alias)
+    elif entry.accepts(value):
+        if in_schema:
+            yield Answer("accept", key, value)
+        else:
+            yield Answer("note", key, value, f"config: {key}={value!r} is verl's; {entry.note}: ignored"
+                         if entry.note else "")
+    else:
+        yield Answer("refuse", key, value, f"{key}={value!r}: {entry.fix}")
