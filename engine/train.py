@@ -192,6 +192,8 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     # the colocated engines first, on devices training has not touched: SGLang sizes its KV pool
     # from the memory free when it starts (mem_fraction_static x that); then they give it back
     separate = cfg.trainer.rollout_pool == "separate"  # then the rollout lives on the pool's ranks
+    if separate:
+        _refuse_spmd_pool(cfg)
     rollout = None if separate else build_rollout(cfg, derived.rollout_topology, hf_config, tokenizer, pad_id=pad)
     if rollout is not None:
         from engine.rollout.colocated import hand_back
@@ -286,11 +288,30 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement, pad):
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
                     seed=r.seed, enable_deterministic_inference=r.deterministic, **record)
+    if r.name == "vllm":  # every rank of a group builds one with the same arguments (SPMD)
+        prompt = r.prompt_length or cfg.data.max_prompt_length
+        response = r.response_length or cfg.data.max_response_length
+        return dict(model_path=arr.model.path or _config_dir(hf_config, tokenizer),
+                    dtype=arr.actor.megatron.params_dtype, load_format="dummy",
+                    tensor_model_parallel_size=placement["tp_size"],
+                    gpu_memory_utilization=r.gpu_memory_utilization,
+                    max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+                    seed=r.seed, max_model_len=prompt + response, **record)
     out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
     if r.name == "hf":  # on the GPU in the actor's dtype
         from engine.workers.base import DTYPES
         out["dtype"] = DTYPES[arr.actor.megatron.params_dtype]
     return out
+
+
+def _refuse_spmd_pool(cfg):
+    """The separate pool serves from group leaders (engine/rollout/pool.py); an SPMD backend (vLLM)
+    needs every rank of a group in each call, which the pool does not make yet."""
+    from engine.rollout.registry import backend_class
+    name = cfg.actor_rollout_ref.rollout.name
+    if name != "auto" and backend_class(name).SPMD:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} with trainer.rollout_pool=separate: the "
+                         "separate pool does not drive SPMD engines yet; use trainer.rollout_pool=colocated")
 
 
 def _config_dir(hf_config, tokenizer):
@@ -308,6 +329,7 @@ def serve_pool(cfg, bridge, n_train):
     from engine.config import derive
     from engine.experience.context import engine_generate
     from engine.rollout.pool import serve
+    _refuse_spmd_pool(cfg)
     tokenizer = load_tokenizer(cfg)
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))

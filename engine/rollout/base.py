@@ -131,7 +131,9 @@ class RolloutEngine(ABC):
     `update_weights`. Backends that set `WEIGHTS_FROM_DISTRIBUTED` receive a separate pool's
     weights from the training rank over a collective group (`join_update_group`, then
     `update_weights_from_distributed` per bucket: engine/rollout/update_group.py); the others get
-    them over the pool's bridge.
+    them over the pool's bridge. Backends that set `SPMD` (vLLM's external_launcher) are built
+    on every rank of a group instead, each rank's engine holding its own TP worker; every rank
+    makes every call (weights from its own copy, memory, generation) together.
     """
 
     name = "?"
@@ -139,6 +141,7 @@ class RolloutEngine(ABC):
     LOADS_SLICES = False  # load_slices: the transfer plan's slices (engine/rollout/delivery.py)
     NEEDS_CUDA = False
     WEIGHTS_FROM_DISTRIBUTED = False
+    SPMD = False  # one engine per rank of a group, all called together (engine/rollout/group.py)
 
     @staticmethod
     def share_bucket(named_tensors):

@@ -12,6 +12,11 @@ IPC: `share_bucket`) gather the members' handles to the leader, which makes one 
 group then waits at a barrier so no member frees its bucket while a worker still reads it. The
 CPU backend's leader simply loads its own copy.
 
+SPMD backends (`RolloutEngine.SPMD`, vLLM's external_launcher) have an engine on every rank of a
+group, each holding that rank's TP worker in process: every rank makes every engine call together
+(begin / load / finish a sync, release / resume, generate), each loading its own copy of a bucket
+(its worker keeps its shard); only the leader sends the group's results on.
+
 Routing: `topology.route_plan` gives each group a share of the step's prompts and each DP
 replica its training shard; a leader sends each replica's first rank (its relay) only the
 responses that replica trains on, and the relay broadcasts them inside the replica. Bytes per
@@ -79,6 +84,8 @@ class GroupedRollout:
         self.rank = dist.get_rank()
         self.group = topology.group_of(self.rank)
         self.is_leader = self.group.leader == self.rank
+        self.spmd = bool(getattr(backend, "SPMD", False))
+        self.calls_engine = self.is_leader or self.spmd  # this rank's engine takes the group's calls
         # process groups, built once and in the same order on every rank (gloo: object traffic)
         self._group_pg = None
         for g in topology.groups:
@@ -97,8 +104,8 @@ class GroupedRollout:
         self.route_bytes = 0  # bytes this rank sent + received routing the last generation
         addr = self._dist_init_addr() if self.group.nnodes > 1 else None
         self.engine: Optional[RolloutEngine] = None
-        if topology.builds_engine(self.rank):
-            self.engine = engine_factory(topology.engine_fields(self.rank, addr))
+        if topology.builds_engine(self.rank, self.spmd):
+            self.engine = engine_factory(topology.engine_fields(self.rank, addr, self.spmd))
 
     # -- placement -------------------------------------------------------------------------
     def _dist_init_addr(self) -> str:
@@ -125,7 +132,7 @@ class GroupedRollout:
             dist.barrier(group=self._group_pg)  # members keep the bucket until it was read
         elif self.backend.SHARES_BUCKETS:
             self.engine.update_weights_from_shared([self.backend.share_bucket(named_tensors)])
-        elif self.is_leader:
+        elif self.calls_engine:  # SPMD: each rank's engine loads its own copy (its worker's shard)
             self.engine.update_weights(named_tensors)
 
     def load_slices(self, pieces: list, tensors: list, dtype=None, device=None) -> None:
@@ -160,20 +167,20 @@ class GroupedRollout:
             self.engine.load_slices(unique)
 
     def begin_sync(self) -> None:
-        if self.is_leader:
+        if self.calls_engine:
             self.engine.begin_weight_update()
 
     def finish_sync(self) -> None:
-        if self.is_leader:
+        if self.calls_engine:
             self.engine.finish_weight_update()
 
     # -- memory ----------------------------------------------------------------------------
     def release_memory(self, tags: Optional[Sequence[str]] = None) -> None:
-        if self.is_leader:
+        if self.calls_engine:
             self.engine.release_memory(tags)
 
     def resume_memory(self, tags: Optional[Sequence[str]] = None) -> None:
-        if self.is_leader:
+        if self.calls_engine:
             self.engine.resume_memory(tags)
 
     # -- generation ------------------------------------------------------------------------
@@ -188,7 +195,7 @@ class GroupedRollout:
         n = sampling.n
         produced = {}
         mine = plan.generate[self.group.index]
-        if self.is_leader and len(mine):
+        if self.calls_engine and len(mine):  # SPMD: the group's ranks generate together, the leader sends
             run = generate or (lambda e, p, s, k: e.generate(p, s, keys=k))
             out = run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
             routed = out.routed_experts
@@ -228,12 +235,13 @@ class GroupedRollout:
 
     def generate_split(self, prompt_ids: list, keys: list, sampling: SamplingParams, generate=None):
         """Validation: each leader generates its group's share; returns (indices, RolloutOutput)
-        on leaders, (indices, None) elsewhere. Not collective."""
+        on leaders, (indices, None) elsewhere. Not collective (SPMD: collective within each group)."""
         mine = split_evenly(len(prompt_ids), len(self.topology.groups))[self.group.index]
-        if not (self.is_leader and len(mine)):
+        if not (self.calls_engine and len(mine)):
             return list(mine), None
         run = generate or (lambda e, p, s, k: e.generate(p, s, keys=k))
-        return list(mine), run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
+        out = run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
+        return list(mine), out if self.is_leader else None
 
     def shutdown(self) -> None:
         if self.engine is not None:

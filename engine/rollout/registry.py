@@ -7,7 +7,7 @@ imports them all (none imports its GPU library at module level).
 config ('auto' resolved, a backend the device cannot run refused) and, with `here`, whether this
 machine can run it; `sglang_installed` / `sglang_test_double` / `sglang_runs_here` are the only
 answers to "is sglang importable / its CPU double / able to serve here", `vllm_installed` /
-`vllm_runs_here` the same for vllm. Callers: the config's
+`vllm_test_double` / `vllm_runs_here` the same for vllm. Callers: the config's
 validation and derivation (engine/config/validate.py, devices.py: also tools/plan.py through
 derive), engine/train.py before any model is built, `make_rollout`, and tools/gpu_check.sh's
 choice of rollout.
@@ -66,9 +66,19 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_test_double() -> bool:
+    """tests/fakes/vllm (a recording double that generates on CPU) lets the trainer run its vLLM
+    path without a GPU; the real package never says this."""
+    if not vllm_installed():
+        return False
+    import vllm
+    return bool(getattr(vllm, "TRIDENT_TEST_DOUBLE", False))
+
+
 def vllm_runs_here() -> bool:
-    """vLLM can serve on this machine: installed, and a CUDA GPU visible."""
-    return vllm_installed() and torch.cuda.is_available()
+    """vLLM can serve on this machine: installed, and a CUDA GPU visible (its test double runs on
+    CPU). Where no CUDA GPU is visible it imports vllm to ask whether it is the double."""
+    return vllm_installed() and (torch.cuda.is_available() or vllm_test_double())
 
 
 def rollout_backend(name: str, device: str = "auto", *, here: bool = False) -> str:
@@ -78,7 +88,7 @@ def rollout_backend(name: str, device: str = "auto", *, here: bool = False) -> s
     'auto' is sglang on 'cuda' (vllm instead where vllm is installed and sglang is not) and cpu on
     'cpu' (and stays 'auto' while the device does). A backend the device cannot run raises
     ValueError naming the key and the fix: sglang, vllm and hf need 'cuda' (SGLang's test double
-    runs on CPU). The config layer asks without `here` (a plan may describe another machine); with
+    runs on CPU, and so does vLLM's). The config layer asks without `here` (a plan may describe another machine); with
     `here`, device 'auto' is this machine's and the machine is checked first: a CUDA GPU visible
     where the backend needs one, the sglang / vllm package installed.
     """
@@ -94,7 +104,7 @@ def rollout_backend(name: str, device: str = "auto", *, here: bool = False) -> s
     if device == "cpu" and name == "sglang" and not sglang_test_double():
         raise ValueError(f"{KEY}='sglang': SGLang needs a GPU but the trainer runs on cpu (trainer.device); "
                          f"use rollout.name=cpu")
-    if device == "cpu" and needs_cuda and name != "sglang":
+    if device == "cpu" and needs_cuda and name != "sglang" and not (name == "vllm" and vllm_test_double()):
         raise ValueError(f"{KEY}={name!r}: this backend needs a GPU but the trainer runs on cpu "
                          f"(trainer.device); use rollout.name=cpu")
     return name
@@ -117,7 +127,7 @@ def _check_machine(name: str, needs_cuda: bool) -> None:
                              f"(or 'auto') on this machine")
         raise ValueError(f"{KEY}='sglang' needs the sglang package; install it with `pip install -e .[gpu]` "
                          f"or use name='cpu'")
-    if name != "sglang" and needs_cuda and not torch.cuda.is_available():
+    if name not in ("sglang", "vllm") and needs_cuda and not torch.cuda.is_available():
         raise ValueError(f"{KEY}={name!r} needs a CUDA GPU and none is visible; use name='cpu' on this machine")
 
 

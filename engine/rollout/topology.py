@@ -76,12 +76,16 @@ class RolloutTopology:
     def is_leader(self, rank: int) -> bool:
         return self.group_of(rank).leader == rank
 
-    def builds_engine(self, rank: int) -> bool:
-        """The leader, and on a multi-node engine the group's first rank on every other node."""
-        return rank in self.group_of(rank).node_leaders
+    def builds_engine(self, rank: int, spmd: bool = False) -> bool:
+        """The leader, and on a multi-node engine the group's first rank on every other node;
+        every rank for an SPMD backend (vLLM's external_launcher: each rank is one TP worker)."""
+        return spmd or rank in self.group_of(rank).node_leaders
 
-    def engine_fields(self, rank: int, dist_init_addr: Optional[str] = None) -> dict:
-        """The placement fields of sglang's ServerArgs for the engine `rank` builds."""
+    def engine_fields(self, rank: int, dist_init_addr: Optional[str] = None, spmd: bool = False) -> dict:
+        """The placement fields of sglang's ServerArgs for the engine `rank` builds (an SPMD
+        backend's engine on every rank: tp_size and this rank's GPU)."""
+        if spmd:
+            return dict(tp_size=self.tp, base_gpu_id=rank % self.gpus_per_node)
         if not self.builds_engine(rank):
             raise ValueError(f"rank {rank} builds no rollout engine (its group's leader is "
                              f"{self.group_of(rank).leader})")

@@ -230,6 +230,7 @@ class VLLMRollout(RolloutEngine):
     """
 
     NEEDS_CUDA = True
+    SPMD = True  # every rank of a group builds one and makes every call (engine/rollout/group.py)
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), model_path: Optional[str] = None,
                  record_routing: bool = False, **rollout):
