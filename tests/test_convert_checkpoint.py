@@ -136,6 +136,8 @@ def _many_tensor_model(path):
     return len(weights.expected_hf_tensors(cfg))
 
 
+# ~23 s; make test keeps the CLI's bad-input cases (tests/bad_inputs: convert) and test_hf_parity's round trips
+@pytest.mark.slow
 def test_cli_roundtrip_memory_report(tmp_path):
     hf_dir = str(tmp_path / "hf")
     n = _many_tensor_model(hf_dir)
@@ -231,7 +233,7 @@ def test_cli_checks_arguments_before_reading_weights(qwen2_dir, tmp_path, capsys
     assert sorted(os.listdir(tmp_path)) == ["file", "moe"]  # nothing written
 
 
-@pytest.mark.slow  # ~14 s; make test keeps test_cli_roundtrip_memory_report (the CLI) and test_hf_parity's MoE layouts
+@pytest.mark.slow  # ~14 s; make test keeps the CLI bad-input cases (tests/bad_inputs) and test_hf_parity MoE layouts
 def test_cli_moe_defaults_and_missing_parents(tmp_path):
     """MoE at tp=2, ep=2 with neither --etp nor --nproc, into directories that do not exist:
     expert TP 1 and the layout's 2 ranks are chosen and said, parents created. (That layout's

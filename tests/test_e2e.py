@@ -53,7 +53,8 @@ GRPO_STEPS = 4
 
 @pytest.mark.parametrize("estimator,extra", [
     ("grpo", []),  # the shared GRPO_RUN
-    ("rloo", ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]),  # on-policy: no old-log-prob pass
+    # on-policy: no old-log-prob pass; ~17 s, in make test-all (RLOO's formula: tests/test_advantages.py)
+    pytest.param("rloo", ["actor_rollout_ref.actor.ppo_mini_batch_size=8"], marks=pytest.mark.slow),
     ("gae", ["critic.ppo_micro_batch_size_per_gpu=4", "algorithm.use_kl_in_reward=true",
              "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=false"]),
 ])

@@ -159,17 +159,10 @@ MOE_MODEL = ["actor_rollout_ref.model.config.model_type=qwen2_moe",
 
 
 def _trainer_step(replay, tmp, rollout="cpu"):
-    import sys
-    fakes = os.path.join(ROOT, "tests", "fakes")
-    if rollout == "sglang":  # the double (tests/fakes): routed experts as SGLang's meta_info sends them
-        sys.path.insert(0, fakes)
-    try:
+    from tests.doubles import double_on_path
+    # the double (tests/fakes): routed experts as SGLang's meta_info sends them
+    with double_on_path("sglang", rollout == "sglang"):
         return _trainer_step_with(replay, tmp, rollout)
-    finally:
-        if rollout == "sglang":
-            sys.path.remove(fakes)
-            for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-                sys.modules.pop(name)
 
 
 def _trainer_step_with(replay, tmp, rollout):

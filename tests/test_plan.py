@@ -149,9 +149,10 @@ def _model(hidden, layers, heads, groups, ffn, vocab, family="qwen2"):
 
 
 CASES = [  # (world, tp, sp, model, micro, n_micro, seq)
-    pytest.param((1, 1, False, _model(512, 4, 8, 4, 1408, 8192, "llama"), 4, 2, 256), id="1rank-h512-L4"),
-    # make test keeps the one-rank and the TP+SP cases; the DP case (its distributed-optimizer
-    # shard is a term of the TP+SP case's too) runs in make test-all (~23 s)
+    pytest.param((1, 1, False, _model(512, 4, 8, 4, 1408, 8192, "llama"), 4, 2, 256), id="1rank-h512-L4",
+                 marks=pytest.mark.slow),  # ~21 s; the TP+SP case below measures every term it does
+    # make test keeps the TP+SP case; the one-rank and DP cases (their terms are the TP+SP case's
+    # too) run in make test-all (~45 s)
     pytest.param((2, 1, False, _model(384, 6, 6, 2, 1024, 12288), 4, 1, 256), id="dp2-h384-L6",
                  marks=pytest.mark.slow),
     # TP's terms are measured by the TP+SP case too
