@@ -80,6 +80,19 @@ USED_API = {
         "sglang/srt/model_executor/model_runner_components/weight_updater.py:WeightUpdater.receive_weights_from_distributed":
             ["broadcast", "empty"],
     },
+    # the planned weight sync (engine/rollout/delivery.py) hands TP worker j a full-shape copy that
+    # holds only its own shard (zeros elsewhere): worker j must read member j's handle and its
+    # loaders keep only their shard of what they are given. "file:Class.function" -> fragments
+    "sharded_load": {
+        "sglang/srt/model_executor/model_runner_components/weight_updater.py:_unwrap_tensor":
+            ["tensor.get(tp_rank)"],
+        "sglang/srt/layers/linear.py:ColumnParallelLinear.weight_loader":
+            ["loaded_weight.narrow(output_dim, start_idx, shard_size)"],
+        "sglang/srt/layers/linear.py:RowParallelLinear.weight_loader":
+            ["loaded_weight.narrow(input_dim, start_idx, shard_size)"],
+        "sglang/srt/layers/vocab_parallel_embedding.py:VocabParallelEmbedding.weight_loader":
+            ["self.shard_indices.org_vocab_start_index", "loaded_weight.narrow(output_dim, start_idx, shard_size)"],
+    },
     # meta_info["finish_reason"]["type"] of every way a request ends (parse_result): "file:Class.function"
     # -> source fragments; an aborted request is refused, never trained on (RolloutAborted)
     "finish_reasons": {
