@@ -5,17 +5,14 @@ with ``ast`` (never imported). Every name in engine.rollout.sglang.USED_API must
 """
 import ast
 import copy
-import os
-import subprocess
 import sys
 import zipfile
 
 import pytest
 
 from engine.rollout.sglang import SGLANG_VERSION, USED_API
+from tests.wheels import pinned_wheel
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(ROOT, ".cache", f"sglang-{SGLANG_VERSION}")
 
 ENGINE = "sglang/srt/entrypoints/engine.py"
 SERVER_ARGS = "sglang/srt/server_args.py"
@@ -25,20 +22,7 @@ TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
 
 
 def sglang_wheel() -> str:
-    wheels = [f for f in os.listdir(CACHE) if f.endswith(".whl")] if os.path.isdir(CACHE) else []
-    if not wheels:
-        # any platform's wheel has the same Python sources; pin one so the download is deterministic
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
-               f"sglang=={SGLANG_VERSION}", "-d", CACHE, "-q"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"downloading sglang=={SGLANG_VERSION} from PyPI timed out: the contract cannot be checked")
-        wheels = [f for f in os.listdir(CACHE) if f.endswith(".whl")] if os.path.isdir(CACHE) else []
-        if done.returncode != 0 or not wheels:
-            pytest.fail(f"cannot download sglang=={SGLANG_VERSION} (no PyPI access?): {done.stderr.strip()[-300:]}")
-    return os.path.join(CACHE, wheels[0])
+    return pinned_wheel("sglang", SGLANG_VERSION, "manylinux_2_34_x86_64")
 
 
 class SglangSource:

@@ -7,16 +7,14 @@ the keyword arguments, fields and values the adapter uses.
 import ast
 import copy
 import os
-import subprocess
-import sys
 import zipfile
 
 import pytest
 
 from engine.rollout.vllm import USED_API, VLLM_VERSION
+from tests.wheels import pinned_wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(ROOT, ".cache", f"vllm-{VLLM_VERSION}")
 
 LLM_PY = "vllm/entrypoints/llm.py"
 SOURCES = {  # class -> the file that defines it
@@ -30,23 +28,9 @@ SOURCES = {  # class -> the file that defines it
 }
 
 
-def wheels():
-    return [f for f in os.listdir(CACHE) if f.endswith(".whl")] if os.path.isdir(CACHE) else []
-
-
 def vllm_wheel() -> str:
-    if not wheels():
-        # the wheel is abi3: one platform's wheel has every platform's Python sources
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.11", "--platform", "manylinux_2_28_x86_64",
-               f"vllm=={VLLM_VERSION}", "-d", CACHE, "-q"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"downloading vllm=={VLLM_VERSION} from PyPI timed out: the contract cannot be checked")
-        if done.returncode != 0 or not wheels():
-            pytest.fail(f"cannot download vllm=={VLLM_VERSION} (no PyPI access?): {done.stderr.strip()[-300:]}")
-    return os.path.join(CACHE, wheels()[0])
+    # the wheel is abi3: one platform's wheel has every platform's Python sources
+    return pinned_wheel("vllm", VLLM_VERSION, "manylinux_2_28_x86_64", timeout_s=600)
 
 
 class Wheel:
