@@ -8,17 +8,19 @@ is tools/plan_memory.py's; this file adds the phases of the memory schedule
 (engine/rollout/transfer.py: today's bytes per GPU vs the transfer plan's, messages, and the
 time estimated from --nvlink-gbps / --internode-gbps).
 
-The rollout engines (SGLang) start before the training models, on a device holding only the
-CUDA context and NCCL buffers (RESERVE_GIB), and size their KV pool as SGLang does from what is
-free then: weights + KV pool = gpu_memory_utilization x (GPU memory - RESERVE_GIB)
-(sglang/srt/mem_cache/kv_cache_configurator.py). The training state that is not offloaded
+The rollout engines start before the training models, on a device holding only the CUDA
+context and NCCL buffers (RESERVE_GIB), and size their memory as their backend does
+(tools/plan_rollout.py): SGLang from what is free then, weights + KV pool =
+gpu_memory_utilization x (GPU memory - RESERVE_GIB); vLLM from the whole device, weights +
+activation peak + KV cache = gpu_memory_utilization x GPU memory. The training state that is not offloaded
 (param/grad/optimizer_offload) stays beside them while they generate. Per phase the plan gives
 what is allocated and what is reserved: the training process keeps the most it allocated since
 its cache was last handed back to the device (before every rollout resume: engine/config/phases.py
 cache_emptied). A layout fits when every phase's reserved memory fits under the GPU memory less
 RESERVE_GIB (CUDA context, NCCL buffers, allocator fragmentation).
 
-Tests: tests/test_plan.py, tests/test_phases.py, tests/test_recipes.py, tests/test_transfer_plan.py
+Tests: tests/test_plan.py, tests/test_plan_vllm.py, tests/test_phases.py, tests/test_recipes.py,
+    tests/test_transfer_plan.py
 """
 import json
 import math
@@ -35,6 +37,7 @@ from engine.config.phases import PHASES, ROLLOUT_PHASES, RUNS  # noqa: E402
 from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
 from tools.plan_memory import (DTYPE_BYTES, Shape, full_kl_bytes, model_memory,  # noqa: E402
                                shape_of, total_params)
+from tools.plan_rollout import VLLM, engine_memory, fit_problems, utilization_that_fits  # noqa: E402
 
 STATE_KEYS = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
 
@@ -125,10 +128,12 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
         actor["activations" if in_loss else "forward_activations"] += extra  # update | old pass
         actor["total"] += extra if in_loss else 0
     capacity = gpu_mem_gib * GIB - (RESERVE_GIB * GIB if device == "cuda" else 0)
-    # free when the engines start (before the training models): SGLang's share is a fraction of it
+    # free when the engines start (before the training models): SGLang's share is a fraction of
+    # it, vLLM's a fraction of the whole device (tools/plan_rollout.py)
     engine_start_free = capacity if device == "cuda" else 0.0
-    rollout_share = arr.rollout.gpu_memory_utilization * engine_start_free
-    rollout = rollout_plan(c, world_size, shape, rollout_share, device)
+    rollout = rollout_plan(c, world_size, shape, device, gpu_mem_gib * GIB if device == "cuda" else 0.0,
+                           engine_start_free)
+    rollout_share = rollout["share_per_gpu"]
     rollout["engine_start_free"] = engine_start_free
     bucket = arr.rollout.update_weights_bucket_megabytes * (1 << 20)
     phases, rollout_held = phase_peaks(d.phases, models, rollout, rollout_share, bucket, log_prob_tokens,
@@ -141,6 +146,14 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
     free = capacity - reserved[peak_phase]
     if device == "cuda" and rollout["kv_cache_per_gpu"] <= 0:
         free = min(free, rollout["kv_cache_per_gpu"])  # the weights alone overflow SGLang's share
+    # the most training keeps while the engine holds its KV cache: the engine's share must fit beside it
+    awake = [p for p in phases if "kv_cache" in d.phases.rollout(p)]
+    rollout["training_awake"] = max((reserved[p] - rollout_held[p] for p in awake), default=0.0)
+    rollout["utilization_fit"] = utilization_that_fits(rollout, rollout["training_awake"], capacity)
+    rollout["problems"] = fit_problems(rollout, rollout["training_awake"], capacity)
+    if device == "cuda" and r_name(c) == VLLM:  # vLLM refuses to start without its share free, or a
+        need = rollout["min_kv_tokens"] * rollout["kv_bytes_per_token"]  # cache for one sequence
+        free = min(free, engine_start_free - rollout_share, rollout["kv_cache_per_gpu"] - need)
     return dict(device=device, world_size=world_size, gpu_mem_gib=gpu_mem_gib, rollout=rollout,
                 layout=dict(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, cp=lay.cp, ep=lay.ep, etp=lay.etp,
                             dp=lay.dp, expert_dp=lay.expert_dp,
@@ -181,18 +194,30 @@ def phase_peaks(schedule, models, rollout, rollout_share, bucket, log_prob_token
     return (out, held) if split else out
 
 
-def rollout_plan(cfg, world_size: int, s: Shape, rollout_share: float, device: str) -> dict:
-    """The rollout engines (engine/rollout/topology.py) and what each GPU holds for them:
-    the model's weights split over the engine's R GPUs, and SGLang's KV pool in the rest of its
-    share (`rollout_share`: gpu_memory_utilization x what was free when the engine started; SGLang
-    gives the pool what is free after the weights less the rest of that memory)."""
+def r_name(cfg) -> str:
+    return cfg.actor_rollout_ref.rollout.name
+
+
+def rollout_plan(cfg, world_size: int, s: Shape, device: str, total: float, start_free: float) -> dict:
+    """The rollout engines (engine/rollout/topology.py) and what each GPU holds for them: the
+    model's weights split over the engine's R GPUs and the KV cache in the rest of the engine's
+    share, as its backend sizes it (tools/plan_rollout.py engine_memory: SGLang's share is
+    gpu_memory_utilization x `start_free`, what was free when the engine started; vLLM's is
+    gpu_memory_utilization x `total`, the whole device, and also holds its activation peak)."""
     from engine.config.devices import rollout_topology_of
 
     topo = rollout_topology_of(cfg, world_size, num_attention_heads=s.a)
-    r = cfg.actor_rollout_ref.rollout
-    weights = total_params(s) * DTYPE_BYTES[cfg.actor_rollout_ref.actor.megatron.params_dtype] / topo.tp
-    out = dict(topo.summary(), backend=r.name, weights_per_gpu=weights,
-               kv_cache_per_gpu=(rollout_share - weights) if device == "cuda" else 0.0)
+    r, data = cfg.actor_rollout_ref.rollout, cfg.data
+    dtype_bytes = DTYPE_BYTES[cfg.actor_rollout_ref.actor.megatron.params_dtype]
+    weights = total_params(s) * dtype_bytes / topo.tp
+    on_gpu = device == "cuda"
+    mem = engine_memory(r.name, s, utilization=r.gpu_memory_utilization, total=total if on_gpu else 0.0,
+                        start_free=start_free if on_gpu else 0.0, weights=weights, tp=topo.tp,
+                        dtype_bytes=dtype_bytes, max_num_batched_tokens=r.max_num_batched_tokens,
+                        max_num_seqs=r.max_num_seqs,
+                        max_model_len=(r.prompt_length or data.max_prompt_length)
+                        + (r.response_length or data.max_response_length))
+    out = dict(topo.summary(), backend=r.name, **mem)
     out.pop("groups")
     return out
 
@@ -311,7 +336,8 @@ def _gib(x):
 
 _BYTE_KEYS = ("weights", "grads", "optimizer", "activations", "forward_activations", "total",
               "training_peak", "rollout_share", "rollout_phase", "capacity", "free", "weights_per_gpu",
-              "kv_cache_per_gpu", "engine_start_free", "phases", "reserved", "ref_hidden")
+              "kv_cache_per_gpu", "engine_start_free", "phases", "reserved", "ref_hidden", "share_per_gpu",
+              "share_base", "start_free", "activation_peak_per_gpu", "training_awake")
 
 
 def _in_gib(value, key=None, parent=None):
@@ -334,11 +360,22 @@ def _report(e):
                      f"grads {_gib(m['grads'])}  optimizer {_gib(m['optimizer'])}  "
                      f"activations {_gib(m['activations'])}")
     r = e["rollout"]
-    lines.append(f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
-                 f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: "
-                 f"weights {_gib(r['weights_per_gpu'])}  KV pool {_gib(r['kv_cache_per_gpu'])} "
-                 f"(gpu_memory_utilization x {_gib(r['engine_start_free']).strip()} free at engine start "
-                 f"- weights)")
+    head = (f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
+            f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: ")
+    if r["backend"] == VLLM:
+        lines.append(head + f"vLLM budget gpu_memory_utilization {r['utilization']:g} x "
+                     f"{_gib(r['share_base']).strip()} device memory = {_gib(r['share_per_gpu']).strip()} "
+                     f"(weights {_gib(r['weights_per_gpu']).strip()} + activation peak "
+                     f"{_gib(r['activation_peak_per_gpu']).strip()} + KV cache {_gib(r['kv_cache_per_gpu']).strip()}"
+                     f"; {r['kv_tokens']} tokens of {r['kv_bytes_per_token']} B)")
+    else:
+        lines.append(head + f"weights {_gib(r['weights_per_gpu'])}  KV pool {_gib(r['kv_cache_per_gpu'])} "
+                     f"(gpu_memory_utilization x {_gib(r['engine_start_free']).strip()} free at engine start "
+                     f"- weights)")
+    if r.get("share_base"):
+        lines.append(f"  training keeps {_gib(r['training_awake']).strip()} while the engine is awake; "
+                     f"largest gpu_memory_utilization that fits: {r['utilization_fit']}")
+    lines += [f"  NOT FITTING: {p}" for p in r.get("problems", [])]
     lines.append(f"  model: {e['total_params'] / 1e9:.2f} B parameters, {e['active_params'] / 1e9:.2f} B "
                  f"active per token")
     lines.append("  per phase (GiB per GPU, allocated / reserved with training's cache; what is resident: "
