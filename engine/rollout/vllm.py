@@ -11,7 +11,8 @@ imported only when an engine is built, so nothing on a CPU machine imports it.
 Every vllm name this file relies on is listed in ``USED_API``; tests/test_vllm_contract.py
 checks each against the source of the pinned wheel.
 
-Tests: tests/test_vllm_adapter.py, tests/test_vllm_contract.py, tests/test_rollout_cpu.py
+Tests: tests/test_vllm_adapter.py, tests/test_vllm_contract.py, tests/test_rollout_cpu.py,
+tests/gpu/test_vllm_gpu.py
 """
 from __future__ import annotations
 
