@@ -122,9 +122,10 @@ def copy_weights(src_chunks, dst_chunks):
     """Same layout, same model: the reference starts as the actor."""
     import torch
 
+    from parallel import fsdp
     from parallel.shards import local_shards
     src = {s.global_name: p for p, s in local_shards(src_chunks)}
-    with torch.no_grad():
+    with torch.no_grad(), fsdp.gathered(src_chunks):  # collective for a fully sharded source
         for p, s in local_shards(dst_chunks):
             if s.global_name in src and src[s.global_name].shape == p.shape:
-                p.copy_(src[s.global_name])
+                fsdp.write(p, fsdp.value(src[s.global_name]))

@@ -209,7 +209,8 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
                               pad_token_id=pad, response_length=response_length)
     # a LoRA actor's reference is its own base (adapters off): no second model is built
     if derived.use_reference and actor.lora is None:
-        ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+        ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad,
+                              strategy=arr.ref.strategy or "megatron")
     from engine.models.hf_io import load_hf_weights
     if arr.model.path:
         for worker in (w for w in (actor, ref) if w is not None):

@@ -12,7 +12,9 @@ What it changes, and why:
   (megatron's schedules and buffers create tensors on "cuda" literally);
 - `Tensor.type()` with no argument answers the `torch.cuda.*` name, since the distributed
   optimizer checks parameter types by their CUDA type strings;
-- TE-only symbols that megatron imports optimistically are set to "absent".
+- TE-only symbols that megatron imports optimistically are set to "absent";
+- `DeviceMesh.from_group(group, "cuda")` (Megatron's TorchFullyShardedDataParallel names the
+  device literally) builds a CPU mesh.
 
 Tests: tests/test_cpu_compat.py, tests/test_layouts.py
 """
@@ -167,6 +169,15 @@ def _patch_tensor_type():
     torch.Tensor.type = type_
 
 
+def _patch_device_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+    original = DeviceMesh.from_group
+
+    def from_group(group, device_type, *args, **kwargs):
+        return original(group, "cpu" if _is_cuda_device(device_type) else device_type, *args, **kwargs)
+    DeviceMesh.from_group = staticmethod(from_group)
+
+
 def _disable_absent_te():
     """megatron marks some TE symbols present when only its extension module imports."""
     try:
@@ -213,6 +224,7 @@ def enable():
     _patch_tensor_type()
     _install_rng_tracker()
     _disable_absent_te()
+    _patch_device_mesh()
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     _ENABLED = True

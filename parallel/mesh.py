@@ -238,6 +238,13 @@ def destroy_mesh():
         from megatron.core import parallel_state as ps
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+    if "torch.distributed.tensor" in sys.modules:
+        # DTensor caches sharding results by mesh *value*: a later mesh over the same ranks
+        # (a new layout in this process: tests) would reuse outputs naming destroyed groups
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+        _redistribute._gen_transform_infos.cache_clear()
     if dist.is_initialized():
         for group in list(dist.distributed_c10d._world.pg_map):
             if group is not dist.GroupMember.WORLD:

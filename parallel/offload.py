@@ -19,6 +19,7 @@ from typing import Dict, Iterable
 import torch
 
 from parallel import device_memory
+from parallel.fsdp import local
 
 
 class Offloader:
@@ -70,16 +71,17 @@ class Offloader:
 
 
 def model_params(chunks):
-    return [p for c in chunks for p in c.parameters()]
+    """The stored parameters (a fully sharded one's local shard: parallel/fsdp.py)."""
+    return [local(p) for c in chunks for p in c.parameters()]
 
 
 def model_grads(chunks):
     """Megatron's gradient buffers (main_grad views) and any plain .grad tensors."""
     out = []
-    for p in model_params(chunks):
+    for p in (p for c in chunks for p in c.parameters()):
         for g in (getattr(p, "main_grad", None), p.grad):
             if g is not None:
-                out.append(g)
+                out.append(local(g))
     return out
 
 
@@ -89,7 +91,7 @@ def optimizer_tensors(optimizer):
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", opt)
         for group in inner.param_groups:
-            out.extend(group["params"])
+            out.extend(local(p) for p in group["params"])
         for state in inner.state.values():
-            out.extend(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+            out.extend(local(v) for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
     return out

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from parallel import fsdp
 from parallel.shards import local_shards
 
 
@@ -255,7 +256,7 @@ def iter_buckets(chunks, bucket_bytes: int, plan: Optional[ReshardPlan] = None,
     buckets = plan.buckets(bucket_bytes)
     counter = counter or MemoryCounter()
     shards = local_shards(chunks)
-    local = {(s.global_name, s.index): param.detach() for param, s in shards}
+    local = {(s.global_name, s.index): fsdp.value(param).detach() for param, s in shards}
     device = shards[0][0].device if shards else torch.device("cpu")
     rank = dist.get_rank()
     for bucket in buckets:

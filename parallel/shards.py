@@ -18,6 +18,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from parallel import fsdp
+
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 # a gated fc1's rows are [gate; up]; so are the rows of a LoRA B on it (lora_B.weight)
@@ -134,7 +136,7 @@ def load_global(chunks, get: Callable[[str], object]):
         if tuple(piece.shape) != tuple(param.shape):
             raise ValueError(f"{shard.global_name}: the piece for this rank has shape "
                              f"{tuple(piece.shape)}, the model expects {tuple(param.shape)}")
-        param.copy_(piece)
+        fsdp.write(param, piece)
 
 
 def gather_global(tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -154,14 +156,18 @@ def iter_global(chunks, which: str = "param") -> Iterator[Tuple[str, torch.Tenso
     """(global name, full TP-gathered tensor) of this rank's parameters or their gradients.
 
     PP and EP ranks yield different names; replicas (DP, or the tied embedding on first and last
-    stage) yield the same name. Collective over TP: all TP ranks must iterate together.
+    stage) yield the same name. Collective over TP (and over DP for a fully sharded model): all
+    those ranks must iterate together.
     """
-    for param, shard in local_shards(chunks):
-        if which == "param":
-            t = param.detach()
-        else:
-            t = getattr(param, "main_grad", None)
-            t = param.grad if t is None else t
-            if t is None:
-                t = torch.zeros_like(param)
-        yield shard.global_name, gather_global(t.detach(), shard)
+    with fsdp.gathered(chunks):
+        for param, shard in local_shards(chunks):
+            if which == "param":
+                t = fsdp.value(param).detach()
+            else:
+                t = getattr(param, "main_grad", None)
+                t = param.grad if t is None else t
+                if fsdp.is_sharded(t):
+                    t = t.full_tensor()
+                if t is None:
+                    t = torch.zeros(param.shape, dtype=param.dtype)
+            yield shard.global_name, gather_global(t.detach(), shard)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.files import CheckpointError, NonFiniteError, raise_if_any, world
 from engine.checkpoint.files import rank as this_rank
+from parallel.fsdp import local
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +26,16 @@ logger = logging.getLogger(__name__)
 def _non_finite(worker):
     """Names of the worker's non-finite tensors: model parameters, then the optimizer's main
     parameters and float state (one host sync per device, not one per tensor)."""
-    named = [(f"parameter {n!r}", p) for m in worker.models for n, p in m.named_parameters()]
+    named = [(f"parameter {n!r}", local(p)) for m in worker.models for n, p in m.named_parameters()]
     if worker.optimizer is not None:
         k = 0
         for opt in torch_optimizers(worker):
             for group in opt.param_groups:
                 for p in group["params"]:
-                    named.append((f"optimizer main parameter #{k}", p))
+                    named.append((f"optimizer main parameter #{k}", local(p)))
                     for key, v in opt.state.get(p, {}).items():
                         if torch.is_tensor(v) and v.is_floating_point():
-                            named.append((f"optimizer state {key!r} of main parameter #{k}", v))
+                            named.append((f"optimizer state {key!r} of main parameter #{k}", local(v)))
                     k += 1
     by_device = {}
     for i, (_, t) in enumerate(named):

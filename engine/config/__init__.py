@@ -11,6 +11,7 @@ Keys follow verl's names. A few keys are `null` = "auto" and are filled in by `d
 - rollout.* and ref.* log_prob_* batch keys     -> the actor's ppo_* batch keys
 - critic.enable                                 -> algorithm.adv_estimator == 'gae'
 - critic.ppo_mini_batch_size / micro / epochs   -> the actor's
+- critic.strategy / actor_rollout_ref.ref.strategy  -> the actor's
 - critic.model.path / config / tokenizer_path   -> the actor's model (when both path and config are null)
 - actor.clip_ratio_low / clip_ratio_high        -> actor.clip_ratio
 - megatron.expert_tensor_parallel_size          -> tensor_model_parallel_size (as in Megatron)

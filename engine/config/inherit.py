@@ -53,6 +53,8 @@ def fill_inherited(out: TridentConfig) -> None:
     critic.ppo_mini_batch_size = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
     critic.ppo_micro_batch_size_per_gpu = critic.ppo_micro_batch_size_per_gpu or actor.ppo_micro_batch_size_per_gpu
     critic.ppo_epochs = critic.ppo_epochs or actor.ppo_epochs
+    critic.strategy = critic.strategy or actor.strategy
+    arr.ref.strategy = arr.ref.strategy or actor.strategy
     if critic.model.path is None and critic.model.config is None:
         critic.model.path, critic.model.config = arr.model.path, copy.deepcopy(arr.model.config)
         critic.model.tokenizer_path = critic.model.tokenizer_path or arr.model.tokenizer_path

@@ -37,6 +37,9 @@ LossAggMode = Literal[tuple(LOSS_AGG_MODES)]
 KlEstimator = Literal[tuple(KL_KINDS)]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 ParamsDtype = Literal["float32", "bfloat16", "float16"]
+# how a trained model's state is spread over data parallel: Megatron's DDP + distributed optimizer,
+# or parameters, gradients and optimizer state all sharded (verl's fsdp / fsdp2: parallel/fsdp.py)
+Strategy = Literal["megatron", "fsdp", "fsdp2"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CheckpointContent = Literal["model", "optimizer", "extra"]
@@ -161,6 +164,11 @@ class MegatronConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False  # refused when true: needs TransformerEngine userbuffers
+    # strategy fsdp / fsdp2 only (parallel/fsdp.py; verl's fsdp_config keys of the same names):
+    # free each layer's gathered parameters after its forward (false: keep them until backward)
+    # and gather the next layer's during this one's forward
+    reshard_after_forward: bool = True
+    forward_prefetch: bool = False
     recompute_granularity: Optional[RecomputeGranularity] = None
     recompute_method: Optional[RecomputeMethod] = None
     recompute_num_layers: Optional[int] = None
@@ -184,7 +192,7 @@ class CheckpointConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: Literal["megatron"] = "megatron"
+    strategy: Strategy = "megatron"
     ppo_mini_batch_size: int = 256  # prompts per mini-batch (x rollout.n sequences)
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # sequences; required unless use_dynamic_bsz
     use_dynamic_bsz: bool = False
@@ -249,6 +257,7 @@ class RolloutConfig:
 
 @dataclass
 class RefConfig:
+    strategy: Optional[Strategy] = None  # null: the actor's
     megatron: MegatronConfig = field(default_factory=_inherited_megatron)
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     log_prob_use_dynamic_bsz: Optional[bool] = None
@@ -267,6 +276,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # null: true iff algorithm.adv_estimator == 'gae'
+    strategy: Optional[Strategy] = None  # null: the actor's
     model: ModelConfig = field(default_factory=ModelConfig)  # path and config null: the actor's model
     ppo_mini_batch_size: Optional[int] = None  # null: the actor's
     ppo_micro_batch_size_per_gpu: Optional[int] = None  # null: the actor's

@@ -24,6 +24,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
 from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope
+from parallel import fsdp
 
 
 def use_te_spec(te_importable: bool, cuda: bool) -> bool:
@@ -159,16 +160,19 @@ class TridentGPTModel(GPTModel):
             # value head has none (KeyError). Off for the call: nothing else here reads it.
             self.post_process = False
             try:
-                return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+                out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
             finally:
                 self.post_process = True
+            fsdp.fix_checkpoint_offsets(out, self, prefix)  # strategy fsdp2's value head
+            return out
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     def output_weight(self):
-        """This rank's vocab shard of the output projection (tied or not)."""
+        """This rank's vocab shard of the output projection (tied or not); a fully sharded one
+        gathered for the log-prob kernels, which read it outside the model's forward."""
         if self.share_embeddings_and_output_weights:
-            return self.shared_embedding_or_output_weight()
-        return self.output_layer.weight
+            return fsdp.for_compute(self.shared_embedding_or_output_weight())
+        return fsdp.for_compute(self.output_layer.weight)
 
     def _postprocess(self, hidden_states, **kwargs):
         if not self.post_process or (self.head == "lm" and not self.return_hidden):

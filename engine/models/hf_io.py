@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from engine.errors import ModelError, UserError
 from engine.models import fp8, lora, weights
+from parallel import fsdp
 from parallel.shards import gather_global, load_global, local_shards
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -231,7 +232,7 @@ def _owned(chunks):
     """global name -> (tensor, Shard or None) of what this rank holds."""
     mine = {}
     for param, shard in local_shards(chunks):
-        mine.setdefault(shard.global_name, (param.detach(), shard))
+        mine.setdefault(shard.global_name, (fsdp.value(param).detach(), shard))
     for buf, name in _global_buffers(chunks):
         mine.setdefault(name, (buf, None))
     return mine
@@ -336,9 +337,15 @@ class _ShardWriter:
 
 
 @torch.no_grad()
-def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000, *,
-                    source_dir: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                    progress: Optional[Callable[[int, int, int], None]] = None) -> None:
+def save_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000, **kw) -> None:
+    """`write_hf_weights` with a fully sharded model's parameters gathered (parallel/fsdp.py)."""
+    with fsdp.gathered(chunks):
+        write_hf_weights(chunks, hf_config, out_dir, shard_size_mb, **kw)
+
+
+def write_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 2000, *,
+                     source_dir: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                     progress: Optional[Callable[[int, int, int], None]] = None) -> None:
     """Write the model held by all ranks' chunks as a HF checkpoint into `out_dir` (collective:
     every rank calls it). Tensors are cast to `dtype` (default: the config's dtype; the router's
     expert bias stays fp32). `source_dir`: a HF model directory whose tokenizer files are copied.

@@ -62,7 +62,8 @@ def build_offline(cfg, world_size):
                           pad_token_id=pad)
         if not cfg.algorithm.dpo.precomputed_ref_log_probs:
             from engine.workers.actor import ReferenceWorker
-            ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad)
+            ref = ReferenceWorker(hf_config, arr.ref.megatron, arr.model, pad_token_id=pad,
+                              strategy=arr.ref.strategy or "megatron")
     if arr.model.path:
         from engine.models.hf_io import load_hf_weights
         for worker in (w for w in (model, ref) if w is not None):

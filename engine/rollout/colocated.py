@@ -32,7 +32,7 @@ from engine.models import lora
 from engine.models.weights import megatron_to_hf
 from engine.rollout.base import ROLLOUT_MEMORY, RolloutEngine
 from engine.rollout.delivery import Delivery, transfer_plan_for
-from parallel import device_memory
+from parallel import device_memory, fsdp
 from parallel.reshard import MemoryCounter, ReshardPlan, iter_buckets
 
 
@@ -253,11 +253,12 @@ class HybridEngine:
         if self.workers:
             self._models_to("update_weights")  # training grads and optimizer state leave first
         self._rollout_to(self._rollout_wanted("update_weights"))  # the rollout's weights memory
-        if self.planned:
-            stats = self._plan.run(self.rollout)
-        else:
-            stats = sync_weights(self.chunks, self.rollout, self.hf_config, self.bucket_megabytes,
-                                 plan=self._plan)
+        with fsdp.gathered(self.chunks):  # a fully sharded model's full values (parallel/fsdp.py)
+            if self.planned:
+                stats = self._plan.run(self.rollout)
+            else:
+                stats = sync_weights(self.chunks, self.rollout, self.hf_config,
+                                     self.bucket_megabytes, plan=self._plan)
         self._note("update_weights")
         if self.workers:
             self._models_to("gen")  # the actor's parameters leave (param_offload)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.rollout.transfer import TransferPlan
+from parallel import fsdp
 from parallel.shards import local_shards
 
 _BUFFER = re.compile(r"\.router\.expert_bias$")
@@ -91,7 +92,7 @@ class Delivery:
         received = sent = local = messages = peak = 0
         group.begin_sync()
         for out, inc, tensors in zip(self.sends, self.recvs, self.tensors):
-            pieces = [(p.hf_name, p.box, self.params[p.source][p.local()]) for p in out.get(self.rank, ())]
+            pieces = [(p.hf_name, p.box, fsdp.value(self.params[p.source])[p.local()]) for p in out.get(self.rank, ())]
             local += sum(t.numel() * t.element_size() for *_, t in pieces)
             held = 0
             for d in range(1, self.world):
@@ -99,7 +100,7 @@ class Delivery:
                 outgoing, incoming = out.get(to), inc.get(frm)
                 reqs, pack, packed = [], None, 0
                 if outgoing:
-                    views = [self.params[p.source][p.local()] for p in outgoing]
+                    views = [fsdp.value(self.params[p.source])[p.local()] for p in outgoing]
                     if len(views) == 1 and views[0].is_contiguous():
                         pack = views[0]  # one contiguous slice: sent in place, no copy
                     else:

@@ -134,7 +134,7 @@ class ActorWorker(LogProbModel):
         super().__init__(hf_config, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg,
                          optim_cfg=actor_cfg.optim, total_steps=total_steps,
                          pad_token_id=pad_token_id, router_replay=actor_cfg.router_replay,
-                         lora=self.lora)
+                         lora=self.lora, strategy=actor_cfg.strategy)
         self.cfg = actor_cfg
         self.response_length = response_length
         self.kl_coef = actor_cfg.kl_loss_coef  # update_policy's kl_coef replaces it (trainer state)
@@ -317,9 +317,10 @@ class ReferenceWorker(LogProbModel):
 
     """The frozen reference policy: forward only, parameters offloadable between uses."""
 
-    def __init__(self, hf_config, ref_megatron_cfg, model_cfg, *, pad_token_id=0):
+    def __init__(self, hf_config, ref_megatron_cfg, model_cfg, *, pad_token_id=0,
+                 strategy="megatron"):
         super().__init__(hf_config, megatron_cfg=ref_megatron_cfg, model_cfg=model_cfg,
-                         pad_token_id=pad_token_id)
+                         pad_token_id=pad_token_id, strategy=strategy)
         for p in (p for c in self.chunks for p in c.parameters()):
             p.requires_grad_(False)
 

@@ -26,6 +26,7 @@ from engine.batch import Batch, update_split
 from engine.models.builder import build_model
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
+from parallel import fsdp
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
 from parallel.packing import (cp_all_gather, cp_gather, cp_index, cp_localize, pack, round_up,
                               row_bounds)
@@ -161,6 +162,16 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
                       cp_last_takes=last_takes)
 
 
+def check_fsdp_layout(lora) -> None:
+    """What the fully sharded strategies run with (engine/config/checks.py says it to the user
+    first; this guards direct construction)."""
+    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError("strategy fsdp/fsdp2 runs with pipeline_model_parallel_size=1 and "
+                         "expert_model_parallel_size=1; use strategy: megatron for PP / EP")
+    if lora:
+        raise ValueError("strategy fsdp/fsdp2 with LoRA is not supported; use strategy: megatron")
+
+
 class MegatronWorker:
     """A model (actor, critic or reference) on this rank's Megatron layout."""
 
@@ -171,7 +182,8 @@ class MegatronWorker:
     supports_context_parallel = False
 
     def __init__(self, hf_config, *, megatron_cfg, model_cfg, head="lm", optim_cfg=None,
-                 total_steps=1, pad_token_id=0, router_replay=False, lora=None):
+                 total_steps=1, pad_token_id=0, router_replay=False, lora=None,
+                 strategy="megatron"):
         if ps.get_context_parallel_world_size() > 1 and not self.supports_context_parallel:
             raise ValueError(f"{type(self).__name__} does not support context parallelism yet; "
                              "set its megatron.context_parallel_size=1")
@@ -198,6 +210,12 @@ class MegatronWorker:
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
         self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
+        self.sharded = strategy != "megatron"  # parallel/fsdp.py: parameters sharded over DP
+        if self.sharded:
+            check_fsdp_layout(lora)
+            self.chunks = [fsdp.wrap(c, reshard_after_forward=megatron_cfg.reshard_after_forward,
+                                     forward_prefetch=megatron_cfg.forward_prefetch)
+                           for c in self.chunks]
         if optim_cfg is not None:
             self._setup_training(optim_cfg, total_steps)
         for model in self.models:
@@ -226,16 +244,19 @@ class MegatronWorker:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         m = self.megatron_cfg
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=m.overlap_grad_reduce,
-            overlap_param_gather=m.overlap_param_gather and m.use_distributed_optimizer,
-            use_distributed_optimizer=m.use_distributed_optimizer)
-        self.chunks = [DistributedDataParallel(c.config, ddp_cfg, c,
-                                               disable_bucketing=i > 0)
-                       for i, c in enumerate(self.chunks)]
-        for chunk in self.chunks:
-            # DP replicas must start identical (CPU init draws from each rank's own generator)
-            chunk.broadcast_params()
+        # FSDP shards the optimizer state with the parameters: Megatron's plain optimizer on them
+        distributed = m.use_distributed_optimizer and not self.sharded
+        if not self.sharded:
+            ddp_cfg = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=m.overlap_grad_reduce,
+                overlap_param_gather=m.overlap_param_gather and distributed,
+                use_distributed_optimizer=distributed)
+            self.chunks = [DistributedDataParallel(c.config, ddp_cfg, c,
+                                                   disable_bucketing=i > 0)
+                           for i, c in enumerate(self.chunks)]
+            for chunk in self.chunks:
+                # DP replicas must start identical (CPU init draws from each rank's own generator)
+                chunk.broadcast_params()
         # How Megatron's schedules drive DDP: gradients sync once per mini-batch (after the last
         # micro-batch), and with overlap_grad_reduce bucket by bucket during that backward.
         one = len(self.chunks) == 1
@@ -248,10 +269,10 @@ class MegatronWorker:
             optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
             weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
             adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
-            use_distributed_optimizer=m.use_distributed_optimizer,
+            use_distributed_optimizer=distributed,
             bf16=self.params_dtype == torch.bfloat16, fp16=self.params_dtype == torch.float16,
             params_dtype=self.params_dtype,
-            overlap_param_gather=m.overlap_param_gather and m.use_distributed_optimizer)
+            overlap_param_gather=m.overlap_param_gather and distributed)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks,
                                                 use_gloo_process_groups=False)
         warmup = optim_cfg.lr_warmup_steps
@@ -432,8 +453,9 @@ class MegatronWorker:
 
     def grads_finite(self) -> bool:
         """Whether every gradient on every rank is finite (one all-reduce of a flag)."""
-        buffers = [b.grad_data for c in self.chunks
-                   for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
+        buffers = [] if self.sharded else [  # DDP's buffers; FSDP's gradients are DTensors
+            b.grad_data for c in self.chunks
+            for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
         grads = buffers or model_grads(self.chunks)
         ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
         flag = torch.tensor([0.0 if bool(ok) else 1.0])

@@ -23,7 +23,7 @@ class CriticWorker(MegatronWorker):
                  response_length=None):
         super().__init__(hf_config, megatron_cfg=critic_cfg.megatron, model_cfg=model_cfg,
                          head="value", optim_cfg=critic_cfg.optim, total_steps=total_steps,
-                         pad_token_id=pad_token_id)
+                         pad_token_id=pad_token_id, strategy=critic_cfg.strategy or "megatron")
         self.cfg = critic_cfg
         self.response_length = response_length
 

@@ -1,0 +1,203 @@
+"""Fully sharded data parallel: verl's `strategy: fsdp` / `fsdp2` on Megatron-core.
+
+Megatron-core's `TorchFullyShardedDataParallel` puts torch's FSDP2 (`fully_shard`) under the
+interface Megatron's schedules, optimizer and `dist_checkpointing` already drive: each
+parameter becomes a DTensor whose dim 0 is split over the data-parallel (x CP) group, so the
+parameters, their gradients and the optimizer state built on them are all sharded; each
+transformer layer is all-gathered just before its forward / backward and freed after.
+
+What Trident adds around it:
+- the units: transformer layers, the embedding and RoPE (Megatron's default set also names
+  ColumnParallelLinear, which under Megatron's local spec sits inside every layer and would be
+  wrapped twice); the output layer and value head join the root unit;
+- gradients are summed over DP, not averaged: Trident's losses are already normalised over the
+  global batch (the model config sets `calculate_per_token_loss`, as under Megatron's DDP), and
+  sum-only collectives run on gloo and NCCL alike;
+- DP replicas start identical (broadcast before sharding, as DDP's `broadcast_params`);
+- `gathered(chunks)`: the full (TP-local) value of every parameter for a while — a weight
+  sync, an export — read through `value(param)`; `write(param, full)` stores a full value
+  into the shards (loading a checkpoint or HF weights).
+
+Tests: tests/test_fsdp.py
+"""
+import contextlib
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch without DTensor: nothing is ever sharded
+    DTensor = distribute_tensor = None
+
+_FULL: Dict[int, torch.Tensor] = {}  # id(sharded parameter) -> its full value, inside gathered()
+
+
+def is_sharded(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (the tensor itself otherwise): what it stores."""
+    return t._local_tensor if is_sharded(t) else t
+
+
+def value(param: torch.Tensor) -> torch.Tensor:
+    """The full value of `param`: its gathered copy inside `gathered()`, else the tensor itself
+    (a sharded parameter read outside `gathered()` is refused: each read would be a collective
+    that every DP rank must make in the same order)."""
+    if not is_sharded(param):
+        return param
+    full = _FULL.get(id(param))
+    if full is None:
+        raise RuntimeError("a fully sharded parameter was read outside parallel.fsdp.gathered(); "
+                           "wrap the read in it (collective over the data-parallel group)")
+    return full
+
+
+def for_compute(param: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter gathered for use outside its unit's forward (the output layer's
+    weight in the log-prob kernels), differentiably: its gradient is summed over DP and
+    scattered into the parameter's sharded gradient, as FSDP does for its own units."""
+    if not is_sharded(param):
+        return param
+    from torch.distributed.tensor import Partial, Replicate
+    whole = param.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+    return whole.to_local(grad_placements=[Partial()] * param.device_mesh.ndim)
+
+
+@torch.no_grad()
+def write(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Store `full` (the whole TP-local value, the same on every DP rank) into `param`."""
+    if not is_sharded(param):
+        param.copy_(full)
+        return
+    # each rank cuts its own shard from the full value it holds: no communication
+    mine = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                             src_data_rank=None)
+    param._local_tensor.copy_(mine._local_tensor)
+    if id(param) in _FULL:
+        _FULL[id(param)].copy_(full)
+
+
+@contextlib.contextmanager
+def gathered(chunks):
+    """Every sharded parameter of `chunks` all-gathered for the duration (collective over the
+    data-parallel group, in parameter order on every rank); a no-op for unsharded models.
+    The extra memory is the model's TP-local size (as FSDP's full-parameter context)."""
+    params = [p for c in chunks for p in c.parameters() if is_sharded(p) and id(p) not in _FULL]
+    with torch.no_grad():
+        for p in params:
+            _FULL[id(p)] = p.full_tensor()
+    try:
+        yield
+    finally:
+        for p in params:
+            _FULL.pop(id(p), None)
+
+
+def _units():
+    from megatron.core.models.common.embeddings.language_model_embedding import \
+        LanguageModelEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    return {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
+
+
+def check_divisible(chunk, dp: int) -> None:
+    """Megatron's checkpoint shards of an FSDP parameter are dim-0 pieces of equal size
+    (megatron/core/utils.py make_*sharded_tensor_for_checkpoint)."""
+    for name, p in chunk.named_parameters():
+        if name.startswith(_ROW_HEADS):
+            continue  # split along dim 1 (_shard_row_heads)
+        rows = p.shape[0] if p.dim() else 1
+        if rows % dp:
+            raise ValueError(f"strategy fsdp2: parameter {name} has {rows} rows, not divisible by "
+                             f"the {dp} data-parallel ranks it is sharded over (Megatron's checkpoint "
+                             f"shards are equal); use a data-parallel size dividing {rows}, or "
+                             "strategy: megatron")
+
+
+# one-row heads (a critic's or reward model's value head, [1, hidden]): FSDP's dim-0 split would
+# leave every rank but the first empty; they are split along hidden instead
+_ROW_HEADS = ("value_head.",)
+
+
+def _shard_row_heads(model, group, reshard_after_forward):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    head = getattr(model, "value_head", None)
+    if head is None:
+        return
+    mesh = DeviceMesh.from_group(group, "cuda" if torch.cuda.is_available() else "cpu")
+    fully_shard(head, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=lambda param: Shard(param.dim() - 1))
+
+
+def fix_checkpoint_offsets(sharded_state_dict, model, prefix=""):
+    """Megatron places every sharded parameter's checkpoint piece along dim 0; the row heads'
+    pieces are along their last dim (in place, on `model.sharded_state_dict()`'s result)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for name, p in model.named_parameters():
+        key = prefix + name
+        if not (name.startswith(_ROW_HEADS) and is_sharded(p) and key in sharded_state_dict):
+            continue
+        mesh = p.device_mesh
+        dp_rank, dp = mesh.get_local_rank(), mesh.size()
+        old = sharded_state_dict[key]
+        sharded_state_dict[key] = ShardedTensor.from_rank_offsets(
+            old.key, p._local_tensor, (p.dim() - 1, dp_rank, dp),
+            replica_id=(0, ps.get_tensor_model_parallel_rank(), 0))
+
+
+@torch.no_grad()
+def broadcast_replicas(chunk, group) -> None:
+    """DP replicas start identical: every parameter from the group's first rank."""
+    src = dist.get_global_rank(group, 0)
+    for p in chunk.parameters():
+        dist.broadcast(p.data, src=src, group=group)
+
+
+def _wrapper_class():
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import \
+        TorchFullyShardedDataParallel
+
+    class FullyShardedChunk(TorchFullyShardedDataParallel):
+        """megatron-core 0.16's finalize_model_grads calls `finish_grad_sync(force_all_reduce=)`,
+        a keyword its data_parallel_base.py does not take; FSDP2 has already reduce-scattered
+        every gradient in the backward (nothing is left to finish)."""
+
+        def finish_grad_sync(self, force_all_reduce: bool = False):
+            pass
+    return FullyShardedChunk
+
+
+def wrap(chunk, *, reshard_after_forward: bool = True, forward_prefetch: bool = False):
+    """`chunk` (a Megatron GPT model) fully sharded over the data-parallel (x CP) group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from torch.distributed.fsdp import FSDPModule
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    check_divisible(chunk, dist.get_world_size(group))
+    broadcast_replicas(chunk, group)
+    _shard_row_heads(chunk, group, reshard_after_forward)
+    ddp_cfg = DistributedDataParallelConfig()
+    # Megatron's wrapper reads it with getattr (no field of the config in megatron-core 0.16)
+    ddp_cfg.reshard_after_forward = reshard_after_forward
+    wrapped = _wrapper_class()(chunk.config, ddp_cfg, chunk, sub_modules_to_wrap=_units(),
+                               process_group=group)
+    units = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # a sum (see the module docstring)
+        unit.set_force_sum_reduction_for_comms(True)
+    if forward_prefetch:  # each layer's all-gather issued while the previous layer computes
+        layers = [u for u in units if u is not wrapped.module and hasattr(u, "layer_number")]
+        for this, after in zip(layers, layers[1:]):
+            this.set_modules_to_forward_prefetch([after])
+    return wrapped

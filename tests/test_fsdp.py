@@ -1,0 +1,77 @@
+"""`strategy: fsdp2` (parallel/fsdp.py: Megatron-core's TorchFullyShardedDataParallel): the same
+update as `strategy: megatron` at DP 2, with each rank holding half of the parameters; weights
+read and written through the sharded layout (iter_global, load_global, the hybrid engine's
+sync)."""
+import dataclasses
+
+import pytest
+import torch
+
+from tests.multirank import run_on_ranks
+from tests.test_layouts import _weight_for
+from tests.test_ppo_update import B, R, _batch, _configs
+from tests.tiny_models import tiny_config
+
+
+def _update(strategy, role, tp=1):
+    from megatron.core import parallel_state as ps
+
+    from engine.workers.actor import ActorWorker
+    from engine.workers.critic import CriticWorker
+    from parallel.fsdp import local
+    from parallel.mesh import Layout, init_mesh
+    from parallel.shards import iter_global, load_global, local_shards
+
+    init_mesh(Layout(tp=tp), seed=1)
+    hf = tiny_config("llama")
+    # distinct, asymmetric clips; several micro-batches accumulate into one step
+    actor_cfg, critic_cfg, model_cfg = _configs(clip_ratio_low=0.15, clip_ratio_high=0.3,
+                                                ppo_micro_batch_size_per_gpu=2)
+    actor_cfg = dataclasses.replace(actor_cfg, strategy=strategy)
+    critic_cfg = dataclasses.replace(critic_cfg, strategy=strategy)
+    if role == "actor":
+        worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
+    else:
+        worker = CriticWorker(hf, critic_cfg, model_cfg, response_length=R)
+    shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
+    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    loaded = dict(iter_global(worker.chunks))  # what load_global stored, read back
+    held = sum(local(p).numel() * local(p).element_size() for c in worker.chunks for p in c.parameters())
+
+    batch = _batch(hf.vocab_size)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
+    worker.mini_batch_size_per_rank = len(mine)
+    if role == "actor":
+        first = worker.compute_log_prob(mine, micro_batch_size=3)
+        mine["old_log_probs"] = first + mine["noise"] * mine["response_mask"]
+        mine["ref_log_prob"] = first - 0.5 * mine["noise"] * mine["response_mask"]
+        metrics = worker.update_policy(mine)
+    else:
+        first = worker.compute_values(mine, micro_batch_size=3)
+        mine["values"] = first + mine["noise"] * mine["response_mask"]
+        metrics = worker.update_critic(mine)
+    return dict(rank=rank, first=first, metrics=metrics, held=held,
+                loaded_ok=all(torch.equal(t, _weight_for(n, t.shape)) for n, t in loaded.items()),
+                weights=dict(iter_global(worker.chunks)))
+
+
+def _compare(a, b):
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
+    meg = run_on_ranks(_update, 2, "megatron", role)
+    fsdp = run_on_ranks(_update, 2, "fsdp2", role)
+    assert all(r["loaded_ok"] for r in fsdp)  # load_global wrote each rank's shard
+    for m, f in zip(meg, fsdp):
+        assert torch.allclose(m["first"], f["first"], atol=1e-6)  # forward before the update
+        for key, value in m["metrics"].items():
+            assert f["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        # the update moved the weights, and moved them the same way
+        start = {n: _weight_for(n, t.shape) for n, t in m["weights"].items()}
+        assert _compare(m["weights"], start) > 1e-4
+        assert _compare(m["weights"], f["weights"]) < 1e-5
+        # DP 2: every parameter's rows split over the two ranks
+        assert f["held"] * 2 == m["held"]
