@@ -288,7 +288,8 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement, pad):
                     dtype=arr.actor.megatron.params_dtype, placement=placement,
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
-                    seed=r.seed, enable_deterministic_inference=r.deterministic, **record)
+                    seed=r.seed, enable_deterministic_inference=r.deterministic,
+                    enforce_eager=r.enforce_eager, enable_chunked_prefill=r.enable_chunked_prefill, **record)
     if r.name == "vllm":  # every rank of a group builds one with the same arguments (SPMD)
         prompt = r.prompt_length or cfg.data.max_prompt_length
         response = r.response_length or cfg.data.max_response_length
@@ -297,7 +298,8 @@ def _rollout_kwargs(cfg, hf_config, tokenizer, placement, pad):
                     tensor_model_parallel_size=placement["tp_size"],
                     gpu_memory_utilization=r.gpu_memory_utilization,
                     max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
-                    seed=r.seed, max_model_len=prompt + response, **record)
+                    seed=r.seed, max_model_len=prompt + response, enforce_eager=r.enforce_eager,
+                    enable_chunked_prefill=r.enable_chunked_prefill, **record)
     out = dict(pad_token_id=pad, max_num_seqs=r.max_num_seqs, **record)
     if r.name == "hf":  # on the GPU in the actor's dtype
         from engine.workers.base import DTYPES

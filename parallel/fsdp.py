@@ -97,6 +97,83 @@ def gathered(chunks):
             _FULL.pop(id(p), None)
 
 
+@contextlib.contextmanager
+def checkpoint_mapping():
+    """Megatron's optimizer checkpoint pairs each optimizer parameter with the model's checkpoint
+    piece by the identity of its `to_local()` (megatron/core/dist_checkpointing/optimizer.py);
+    torch >= 2.12 returns a fresh Parameter from a Parameter(DTensor)'s `to_local()`, so nothing
+    pairs. For the call, the pairs are made by the stored local tensor, which is what the
+    model's pieces hold."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    original = megatron_optimizer.get_param_id_to_sharded_param_map
+
+    def by_local_tensor(model_sharded_state_dict, params):
+        return original(model_sharded_state_dict, [local(p) for p in params])
+    megatron_optimizer.get_param_id_to_sharded_param_map = by_local_tensor
+    try:
+        yield
+    finally:
+        megatron_optimizer.get_param_id_to_sharded_param_map = original
+
+
+@torch.no_grad()
+def load_model_state(model, state: dict) -> None:
+    """`model.load_state_dict(state, strict=True)` where a checkpoint load handed back each
+    sharded parameter as this rank's local piece (or, for one saved whole, the full value)."""
+    params = dict(model.named_parameters())
+    rest = {}
+    for key, value in state.items():
+        param = params.get(key)
+        if param is None or not is_sharded(param):
+            rest[key] = value
+        elif tuple(value.shape) == tuple(param._local_tensor.shape):
+            param._local_tensor.copy_(value)
+        else:
+            write(param, value)  # raises if it is neither piece nor whole
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    missing = [k for k in missing if k not in state]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint and model disagree: missing {missing[:3]}, unexpected {unexpected[:3]}")
+
+
+def _like(current, saved):
+    if is_sharded(current) and torch.is_tensor(saved) and not is_sharded(saved):
+        return DTensor.from_local(saved, current.device_mesh, current.placements,
+                                  shape=current.shape, stride=current.stride())
+    return saved
+
+
+def optimizer_state_to_layout(optimizer, state: dict) -> dict:
+    """A loaded optimizer checkpoint's fp32 main parameters (Megatron's Float16Optimizer copies
+    them into its own, DTensor to DTensor) in the layout of the ones they replace."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [state] if len(inners) == 1 else [state[i] for i in range(len(inners))]
+    for inner, sd in zip(inners, states):
+        groups = getattr(inner, "fp32_from_float16_groups", None)
+        if groups is not None and "fp32_from_fp16_params" in sd:
+            sd["fp32_from_fp16_params"] = [[_like(c, v) for c, v in zip(cur, saved)]
+                                           for cur, saved in zip(groups, sd["fp32_from_fp16_params"])]
+    return state
+
+
+@torch.no_grad()
+def restore_optimizer_state(optimizer) -> None:
+    """After a checkpoint load: Megatron hands the optimizer each sharded state as this rank's
+    local tensor; put it back into the parameter's layout (a DTensor like the parameter)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_opt = getattr(inner, "optimizer", inner)
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                if not is_sharded(p):
+                    continue
+                state = torch_opt.state.get(p, {})
+                for key, v in state.items():
+                    if torch.is_tensor(v) and not is_sharded(v) and v.shape == p._local_tensor.shape \
+                            and v.dim() > 0:
+                        state[key] = DTensor.from_local(v, p.device_mesh, p.placements,
+                                                        shape=p.shape, stride=p.stride())
+
+
 def _units():
     from megatron.core.models.common.embeddings.language_model_embedding import \
         LanguageModelEmbedding
@@ -107,7 +184,12 @@ def _units():
 
 def check_divisible(chunk, dp: int) -> None:
     """Megatron's checkpoint shards of an FSDP parameter are dim-0 pieces of equal size
-    (megatron/core/utils.py make_*sharded_tensor_for_checkpoint)."""
+    (megatron/core/utils.py make_*sharded_tensor_for_checkpoint); a gated fc1's must not straddle
+    its gate and up halves (fix_checkpoint_offsets)."""
+    if dp > 1 and dp % 2 and getattr(getattr(chunk, "config", None), "gated_linear_unit", False):
+        raise ValueError(f"strategy fsdp2 with a gated MLP (SwiGLU) shards over an even number of "
+                         f"data-parallel ranks; this layout has {dp}: change the number of GPUs or "
+                         "tensor_model_parallel_size, or use strategy: megatron")
     for name, p in chunk.named_parameters():
         if name.startswith(_ROW_HEADS):
             continue  # split along dim 1 (_shard_row_heads)
@@ -138,21 +220,36 @@ def _shard_row_heads(model, group, reshard_after_forward):
 
 
 def fix_checkpoint_offsets(sharded_state_dict, model, prefix=""):
-    """Megatron places every sharded parameter's checkpoint piece along dim 0; the row heads'
-    pieces are along their last dim (in place, on `model.sharded_state_dict()`'s result)."""
+    """Where Megatron's checkpoint pieces (megatron/core/utils.py, transformer/mlp.py) assume a
+    parameter split along dim 0 into equal whole-row pieces of the *TP* layout, say where this
+    rank's FSDP shard sits instead (in place, on `model.sharded_state_dict()`'s result):
+    - row heads, split along their last dim;
+    - a gated fc1 ([gate; up] rows): Megatron's factory cuts the local rows in two halves, but
+      an FSDP shard lies wholly in the gate or the up half (DP even: `check_divisible`), so it
+      is one piece of the same global tensor at a finer fragmentation."""
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in model.named_parameters():
         key = prefix + name
-        if not (name.startswith(_ROW_HEADS) and is_sharded(p) and key in sharded_state_dict):
+        if not is_sharded(p) or key not in sharded_state_dict:
             continue
         mesh = p.device_mesh
         dp_rank, dp = mesh.get_local_rank(), mesh.size()
         old = sharded_state_dict[key]
-        sharded_state_dict[key] = ShardedTensor.from_rank_offsets(
-            old.key, p._local_tensor, (p.dim() - 1, dp_rank, dp),
-            replica_id=(0, ps.get_tensor_model_parallel_rank(), 0))
+        if name.startswith(_ROW_HEADS):
+            sharded_state_dict[key] = ShardedTensor.from_rank_offsets(
+                old.key, p._local_tensor, (p.dim() - 1, dp_rank, dp), replica_id=(0, tp_rank, 0))
+        elif isinstance(old, ShardedTensorFactory) and dp > 1:
+            gate = old.build()[0]  # Megatron's piece: its layer-axis offsets are what we keep
+            k = gate.prepend_axis_num
+            layer_axes = [(ax, gate.global_offset[ax], gate.axis_fragmentations[ax]) for ax in range(k)]
+            half, piece = divmod(dp_rank, dp // 2)
+            index = half * tp * (dp // 2) + tp_rank * (dp // 2) + piece
+            sharded_state_dict[key] = ShardedTensor.from_rank_offsets(
+                old.key, p._local_tensor, *layer_axes, (k, index, tp * dp),
+                replica_id=old.replica_id, prepend_axis_num=k)
 
 
 @torch.no_grad()

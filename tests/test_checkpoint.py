@@ -25,14 +25,15 @@ from tests.tiny_models import tiny_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _actor(hf=None, weight_salt=""):
+def _actor(hf=None, weight_salt="", strategy="megatron", dtype="float32"):
     """An actor with a cosine LR schedule over 4 steps, weights generated from their names."""
     from engine.workers.actor import ActorWorker
     from parallel.shards import load_global, local_shards
 
     actor_cfg, _, model_cfg = _configs()
     actor_cfg = dataclasses.replace(
-        actor_cfg, optim=dataclasses.replace(actor_cfg.optim, lr_decay_style="cosine"))
+        actor_cfg, optim=dataclasses.replace(actor_cfg.optim, lr_decay_style="cosine"), strategy=strategy,
+        megatron=dataclasses.replace(actor_cfg.megatron, params_dtype=dtype))
     worker = ActorWorker(hf or tiny_config("llama"), actor_cfg, model_cfg, total_steps=4,
                          response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}

@@ -75,3 +75,95 @@ def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
         assert _compare(m["weights"], f["weights"]) < 1e-5
         # DP 2: every parameter's rows split over the two ranks
         assert f["held"] * 2 == m["held"]
+
+
+def _resume(tmp, saved_with, loaded_with, load_optimizer=True, dtype="float32"):
+    """One step, save; a fresh worker (other weights) of `loaded_with` loads it, and both take
+    the same second step (tests/test_checkpoint.py's resume, across strategies)."""
+    from engine.checkpoint import CheckpointManager
+    from parallel.mesh import Layout, init_mesh
+    from tests.test_checkpoint import _actor, _ppo_step, _weights
+
+    init_mesh(Layout(), seed=1)
+    original = _actor(strategy=saved_with, dtype=dtype)
+    _ppo_step(original, seed=3)
+    manager = CheckpointManager(tmp)
+    manager.save(1, {"actor": original}, dict(global_steps=1))
+    at_save = _weights(original)
+    _ppo_step(original, seed=4)
+    restored = _actor(weight_salt="-other", strategy=loaded_with, dtype=dtype)
+    try:
+        manager.load(manager.resolve("auto"), {"actor": restored}, load_optimizer=load_optimizer)
+    except Exception as e:  # noqa: BLE001 - the refusal's message is the result
+        return dict(error=f"{type(e).__name__}: {e}")
+    loaded = _weights(restored)
+    _ppo_step(restored, seed=4)
+    return dict(at_save=at_save, loaded=loaded, continued=_weights(original), resumed=_weights(restored))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: Megatron's fp32 main copies
+def test_an_fsdp2_checkpoint_resumes_exactly(tmp_path, dtype):
+    for res in run_on_ranks(_resume, 2, str(tmp_path), "fsdp2", "fsdp2", dtype=dtype):
+        assert "error" not in res, res.get("error")
+        assert all(torch.equal(res["loaded"][n], t) for n, t in res["at_save"].items())
+        assert all(torch.equal(res["resumed"][n], t) for n, t in res["continued"].items())
+
+
+@pytest.mark.parametrize("saved_with, loaded_with", [("fsdp2", "megatron"), ("megatron", "fsdp2")])
+def test_a_checkpoints_weights_cross_strategies_and_its_optimizer_state_is_refused(tmp_path, saved_with,
+                                                                                 loaded_with):
+    weights_only = run_on_ranks(_resume, 2, str(tmp_path / "a"), saved_with, loaded_with, False)
+    for res in weights_only:
+        assert "error" not in res, res.get("error")
+        assert all(torch.equal(res["loaded"][n], t) for n, t in res["at_save"].items())
+    for res in run_on_ranks(_resume, 2, str(tmp_path / "b"), saved_with, loaded_with):
+        assert res["error"].startswith("CheckpointError: ") and "stored differently" in res["error"]
+        assert f"saved with strategy {'megatron' if saved_with == 'megatron' else 'fsdp / fsdp2'}" in res["error"]
+
+
+def _critic(strategy, salt=""):
+    from engine.workers.critic import CriticWorker
+    from parallel.shards import load_global, local_shards
+
+    _, critic_cfg, model_cfg = _configs()
+    worker = CriticWorker(tiny_config("llama"), dataclasses.replace(critic_cfg, strategy=strategy),
+                          model_cfg, response_length=R)
+    shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
+    load_global(worker.chunks, lambda n: _weight_for(n + salt, shapes[n]))
+    return worker
+
+
+def _critic_checkpoint(tmp):
+    """The value head (split along hidden under fsdp2) and every other weight: fsdp2 -> fsdp2
+    with the optimizer, fsdp2 -> megatron weights only."""
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint import CheckpointManager
+    from parallel.mesh import Layout, init_mesh
+    from tests.test_checkpoint import _weights
+
+    init_mesh(Layout(), seed=1)
+    saved = _critic("fsdp2")
+    batch = _batch(saved.hf_config.vocab_size)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
+    saved.mini_batch_size_per_rank = len(mine)
+    mine["values"] = saved.compute_values(mine, micro_batch_size=3) + mine["noise"] * mine["response_mask"]
+    saved.update_critic(mine)
+    manager = CheckpointManager(tmp)
+    manager.save(1, {"critic": saved}, dict(global_steps=1))
+    out = dict(at_save=_weights(saved))
+    for strategy, with_optimizer in (("fsdp2", True), ("megatron", False)):
+        fresh = _critic(strategy, salt="-other")
+        manager.load(manager.resolve("auto"), {"critic": fresh}, load_optimizer=with_optimizer)
+        out[strategy] = _weights(fresh)
+    return out
+
+
+def test_a_critic_checkpoint_holds_the_value_head_whole_across_strategies(tmp_path):
+    for res in run_on_ranks(_critic_checkpoint, 2, str(tmp_path)):
+        assert "value_head.weight" in res["at_save"]
+        for strategy in ("fsdp2", "megatron"):
+            assert res[strategy].keys() == res["at_save"].keys()
+            for name, tensor in res["at_save"].items():
+                assert torch.equal(res[strategy][name], tensor), (strategy, name)

@@ -62,6 +62,7 @@ from engine.checkpoint.state import (adam_step, check_finite, check_worker_match
                                      model_keys, model_sharded_state_dict, optim_metadata,
                                      parallel_layout, reseed_rng, restore_adam_steps, rng_state,
                                      set_rng_state)
+from parallel import fsdp
 
 __all__ = ["CheckpointManager"]
 
@@ -239,15 +240,16 @@ class CheckpointManager:
             state = model_sharded_state_dict(worker)
             with_optim = "optimizer" in contents and has_optimizer_state(worker)
             if with_optim:
-                state["optimizer"] = worker.optimizer.sharded_state_dict(
-                    dict(state), metadata=optim_metadata(OPTIM_SHARDING))
+                with fsdp.checkpoint_mapping():
+                    state["optimizer"] = worker.optimizer.sharded_state_dict(
+                        dict(state), metadata=optim_metadata(OPTIM_SHARDING))
             with_scheduler = worker.scheduler is not None and "optimizer" in contents
             if with_scheduler:
                 state["scheduler"] = worker.scheduler.state_dict()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=with_scheduler,
                                chunks=len(worker.models), adam_step=adam_step(worker),
-                               lora=lora_of(worker))
+                               lora=lora_of(worker), sharded=bool(getattr(worker, "sharded", False)))
         if with_extra:
             save_safe(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{self.rank}.pt"),
                       f"the RNG state of rank {self.rank}")
@@ -348,20 +350,35 @@ class CheckpointManager:
             check_worker_matches(name, worker, directory)
             state = model_sharded_state_dict(worker)
             with_optim = load_optimizer and worker.optimizer is not None and info["optimizer"]
+            sharded = bool(getattr(worker, "sharded", False))
+            if with_optim and info.get("sharded", False) != sharded:
+                # the weights are global tensors either way; Megatron's distributed optimizer and the
+                # fully sharded strategies' per-parameter optimizer store their state differently
+                was, now = ("fsdp / fsdp2", "megatron") if not sharded else ("megatron", "fsdp / fsdp2")
+                raise CheckpointError(
+                    f"checkpoint {path!r}: worker {name!r} was saved with strategy {was}, this run uses "
+                    f"{now}, and their optimizer states are stored differently; resume with the strategy "
+                    "it was saved with (its weights load under either: start a new run from them with "
+                    "tools/convert_checkpoint.py to HF and model.path, or load with load_optimizer=False)")
             if with_optim:
                 create_optimizer_state(worker)
-                state["optimizer"] = worker.optimizer.sharded_state_dict(
-                    dict(state), is_loading=True, metadata=optim_metadata(meta["optim_sharding"]))
+                with fsdp.checkpoint_mapping():
+                    state["optimizer"] = worker.optimizer.sharded_state_dict(
+                        dict(state), is_loading=True, metadata=optim_metadata(meta["optim_sharding"]))
             loaded = dist_checkpointing.load(state, directory)
             for key, model in zip(model_keys(worker), worker.models):
-                if lora_of(worker) is None:
+                if getattr(worker, "sharded", False):  # strategy fsdp / fsdp2
+                    fsdp.load_model_state(model, loaded[key])
+                elif lora_of(worker) is None:
                     model.load_state_dict(loaded[key], strict=True)
                 else:
                     from engine.models.lora import load_adapter_state
                     load_adapter_state(model, loaded[key])
             if with_optim:
                 with torch.no_grad():  # fp32 main params are views of the model's parameters
-                    worker.optimizer.load_state_dict(loaded["optimizer"])
+                    worker.optimizer.load_state_dict(
+                        fsdp.optimizer_state_to_layout(worker.optimizer, loaded["optimizer"]))
+                fsdp.restore_optimizer_state(worker.optimizer)
                 restore_adam_steps(worker, info.get("adam_step"))
             if load_optimizer and worker.scheduler is not None and "scheduler" in loaded:
                 worker.scheduler.load_state_dict(loaded["scheduler"])

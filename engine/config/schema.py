@@ -242,6 +242,10 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
+    # GPU engines (sglang: disable_cuda_graph / chunked_prefill_size -1; vllm: its own keys); the
+    # CPU backends run eagerly and prefill whole prompts whatever these say
+    enforce_eager: bool = False  # no CUDA graphs
+    enable_chunked_prefill: bool = True  # prefill in chunks of max_num_batched_tokens
     free_cache_engine: bool = True
     update_weights_bucket_megabytes: int = 512
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: actor's ppo_micro_batch_size_per_gpu

@@ -40,6 +40,7 @@ def validate(cfg: TridentConfig) -> None:
     _validate_megatron(ref.megatron, "actor_rollout_ref.ref.megatron", is_actor=False)
     _validate_critic(cfg)
     _validate_lora(cfg)
+    _validate_strategies(cfg)
     _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
@@ -134,6 +135,44 @@ def _validate_frozen(m: MegatronConfig, prefix: str) -> None:
         if getattr(m, name) != getattr(default, name):
             fail(f"{prefix}.{name}", getattr(m, name), f"the model is frozen and {why}; remove it "
                  f"(param_offload is what a frozen model offloads)")
+
+
+def _validate_strategies(cfg: TridentConfig) -> None:
+    """What each model's `strategy` runs with (parallel/fsdp.py for fsdp / fsdp2)."""
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor.megatron
+    models = [("actor_rollout_ref.actor", arr.actor.strategy, actor, True)]
+    models.append(("actor_rollout_ref.ref", arr.ref.strategy or arr.actor.strategy, arr.ref.megatron, False))
+    if cfg.critic.enable is not False:
+        models.append(("critic", cfg.critic.strategy or arr.actor.strategy, cfg.critic.megatron, True))
+    models.append(("reward_model", "megatron", cfg.reward_model.megatron, False))
+    for prefix, strategy, meg, trains in models:
+        m = f"{prefix}.megatron" if prefix != "actor_rollout_ref.actor" else "actor_rollout_ref.actor.megatron"
+        size = lambda name: getattr(meg, name) if getattr(meg, name) is not None else getattr(actor, name)  # noqa: E731
+        if strategy == "megatron":
+            for name, default in (("reshard_after_forward", True), ("forward_prefetch", False)):
+                if getattr(meg, name) != default:
+                    fail(f"{m}.{name}", getattr(meg, name), f"only read with {prefix}.strategy fsdp / fsdp2 "
+                         "(the fully sharded strategies); remove it, or set the strategy")
+            continue
+        where = f"{prefix}.strategy={strategy!r}"
+        for name, why in (("pipeline_model_parallel_size", "pipeline stages"),
+                          ("virtual_pipeline_model_parallel_size", "virtual pipeline stages"),
+                          ("expert_model_parallel_size", "expert parallelism")):
+            if (size(name) or 1) > 1:
+                fail(f"{m}.{name}", size(name), f"{where} shards the whole model over data parallel, "
+                     f"without {why}; set it to 1 (tensor / context parallel combine with it), or "
+                     f"{prefix}.strategy=megatron")
+        for name in ("overlap_grad_reduce", "overlap_param_gather"):
+            if getattr(meg, name):
+                fail(f"{m}.{name}", True, f"{where}: FSDP overlaps its own parameter all-gather and "
+                     "gradient reduce-scatter with compute (forward_prefetch for the forward); remove it")
+        if trains and not meg.use_distributed_optimizer:
+            fail(f"{m}.use_distributed_optimizer", False, f"{where} always shards the optimizer state "
+                 "with the parameters; remove it (or use strategy megatron for a replicated optimizer)")
+        if prefix == "actor_rollout_ref.actor" and arr.model.lora_rank > 0:
+            fail(f"{prefix}.strategy", strategy, "LoRA adapters train under strategy megatron only; "
+                 "set actor_rollout_ref.actor.strategy=megatron (the frozen base is small per rank with TP)")
 
 
 def _validate_actor(cfg: TridentConfig) -> None:

@@ -1,5 +1,6 @@
-"""verl's keys that are not Trident's keys as they stand: FSDP's (`strategy`, `fsdp_config.*`,
-Ulysses), vLLM's rollout switches, and a few more a verl recipe carries.
+"""verl's keys that are not Trident's keys as they stand: FSDP's (`fsdp_config.*`, Ulysses, the
+reward model's `strategy`), vLLM's rollout switches, and a few more a verl recipe carries.
+(`strategy` of the actor, reference and critic is Trident's own key: megatron | fsdp | fsdp2.)
 
 Each key gets exactly one line, never a list of a section's keys:
 - read as Trident's own key(s) (`alias`): one note in the log;
@@ -11,8 +12,7 @@ Each key gets exactly one line, never a list of a section's keys:
 key inside it); engine/config/load.py applies the answers, gathers the refusals of a whole recipe
 into one error and logs the notes once the recipe validates. ALIASES and MOVED_KEYS in
 engine/config/schema.py are verl's renamed keys; this module is for keys with no Trident name
-(a key the schema gains, e.g. rollout.enforce_eager once a backend reads it, leaves KEYS: its
-refusal would shadow it; tests/test_verl_configs.py checks).
+(a key the schema gains leaves KEYS: its refusal would shadow it; tests/test_verl_configs.py checks).
 
 Tests: tests/test_verl_configs.py, tests/test_config_keys.py
 """
@@ -30,6 +30,8 @@ class VerlKey:
     same: Union[tuple, Callable, None] = ()  # accepted values (a tuple, a predicate, or ANY)
     note: str = ""                      # why an accepted value sets nothing ("" : no note)
     alias: tuple = ()                   # Trident keys the value is read as
+    alias_if: Optional[Callable] = None  # alias only for values it accepts (else `same` / `fix`)
+    same_note: str = ""                 # the note for an accepted value of a conditional alias
 
     def accepts(self, value: Any) -> bool:
         if self.same is ANY:
@@ -56,52 +58,39 @@ FSDP_SECTIONS = {
     "critic.model": ("critic.megatron", True),
     "reward_model.model": ("reward_model.megatron", False),
 }
-# verl's `strategy` key of each model section -> that model's Megatron section
-STRATEGY_KEYS = {
-    "actor_rollout_ref.actor.strategy": "actor_rollout_ref.actor.megatron",
-    "actor_rollout_ref.ref.strategy": "actor_rollout_ref.ref.megatron",
-    "critic.strategy": "critic.megatron",
-    "reward_model.strategy": "reward_model.megatron",
-}
 ROLLOUT = "actor_rollout_ref.rollout"
-
-
-def _strategy(meg: str) -> VerlKey:
-    trains = not meg.startswith(("actor_rollout_ref.ref", "reward_model"))
-    shard = (f"{meg}.use_distributed_optimizer: true (the default) shards the optimizer state over DP "
-             f"and {meg}.tensor_model_parallel_size the parameters" if trains else
-             "this frozen model takes the actor's layout (actor_rollout_ref.actor.megatron)")
-    return VerlKey(same=("megatron",),
-                   fix="Trident trains with Megatron-core (FSDP on Megatron-core is planned, not here yet); "
-                       f"set it to megatron: {shard}")
+# the reward model's scoring runs on Megatron-core's layout only
+RM_STRATEGY = VerlKey(same=("megatron",), fix="the reward model scores with Megatron-core's layout "
+                      "(reward_model.megatron.*; it shares the actor's parallel sizes); remove it or set megatron")
 
 
 def _fsdp(meg: str, trains: bool) -> dict[str, VerlKey]:
     frozen = "the model is frozen (no gradients, no optimizer)"
+    fsdp_only = "(read under strategy fsdp / fsdp2; with megatron, validation refuses a non-default value)"
+    offloads = (f"{meg}.param_offload", f"{meg}.grad_offload", f"{meg}.optimizer_offload") if trains \
+        else (f"{meg}.param_offload",)
     out = {
         "param_offload": VerlKey(
             alias=(f"{meg}.param_offload",) + ((f"{meg}.grad_offload",) if trains else ()),
             note=f"read as {meg}.param_offload" + (" and grad_offload (Megatron keeps a gradient "
                                                     "buffer that FSDP frees after each step)" if trains else "")),
         "offload_policy": VerlKey(
-            same=(False,), note="FSDP2's CPU offload policy off, as here",
-            fix="FSDP2's CPU offload policy (the optimizer step run on the CPU) has no Megatron-core "
-                f"counterpart here; remove it: {meg}.param_offload, grad_offload and optimizer_offload "
-                "move each state to the host while the model is idle"),
+            alias=offloads, alias_if=lambda v: v is True,
+            note=f"FSDP2's CPU offload policy read as {', '.join(offloads)}: the states wait on the host "
+                 "while the model is idle and come back for its phase (the optimizer step runs on the "
+                 "device, not on the CPU as FSDP2's policy runs it)",
+            same=(False,), same_note="FSDP2's CPU offload policy off, as here", fix="expected true or false"),
         "reshard_after_forward": VerlKey(
-            same=ANY, note="Megatron-core never gathers whole parameters (each rank keeps its TP/PP "
-                           "shard), so there is nothing to reshard"),
+            alias=(f"{meg}.reshard_after_forward",), note=f"read as {meg}.reshard_after_forward {fsdp_only}"),
         "forward_prefetch": VerlKey(
-            same=(False,), note="no FSDP all-gather to prefetch, as false asks",
-            fix=(f"FSDP's all-gather prefetch; use {meg}.overlap_param_gather: true (the distributed "
-                 "optimizer's parameter all-gather overlapped with the forward)") if trains else
-                f"{frozen}: no parameter all-gather to prefetch; remove it"),
+            alias=(f"{meg}.forward_prefetch",), note=f"read as {meg}.forward_prefetch {fsdp_only}"),
         "fsdp_size": VerlKey(
-            same=(-1,), note="Megatron-core's distributed optimizer shards over all DP ranks, as -1 asks",
-            fix=f"FSDP's shard-group size (HSDP); Megatron-core shards the parameters over {meg}."
-                "tensor_model_parallel_size and the optimizer state over all DP ranks; remove it"),
+            same=(-1,), note="strategy fsdp / fsdp2 shard over all data-parallel ranks, as -1 asks",
+            fix="sharding over groups smaller than data parallel (HSDP) is not here: the fully sharded "
+                "strategies shard over all DP ranks; set -1 (or remove it)"),
         "wrap_policy": VerlKey(
-            same=ANY, note="FSDP's wrapping units; Megatron-core builds its own layers"),
+            same=ANY, note="the fully sharded strategies wrap each transformer layer, the embedding and "
+                           "RoPE (Megatron-core's units); the rest is the root unit"),
     }
     out["optimizer_offload"] = (VerlKey(alias=(f"{meg}.optimizer_offload",), note=f"read as {meg}.optimizer_offload")
                                 if trains else
@@ -121,21 +110,12 @@ def _dummy(value: Any) -> bool:
 
 
 KEYS: dict[str, VerlKey] = {
-    **{key: _strategy(meg) for key, meg in STRATEGY_KEYS.items()},
+    "reward_model.strategy": RM_STRATEGY,
     **{f"{s}.ulysses_sequence_parallel_size": _ulysses(meg) for s, (meg, _) in FSDP_SECTIONS.items()
        if not s.endswith(".model")},
     "critic.ulysses_sequence_parallel_size": _ulysses("critic.megatron"),
     "reward_model.ulysses_sequence_parallel_size": _ulysses("reward_model.megatron"),
     # vLLM's engine switches (the rollout keys Trident shares with verl are in its schema)
-    f"{ROLLOUT}.enforce_eager": VerlKey(
-        same=(False,), note="the GPU rollout (SGLang) captures CUDA graphs, as vLLM does with false",
-        fix="the rollout engine's CUDA graphs cannot be turned off from a recipe yet; remove it "
-            f"(or set {ROLLOUT}.name=hf: transformers, no CUDA graphs)"),
-    f"{ROLLOUT}.enable_chunked_prefill": VerlKey(
-        same=(True,),
-        note=f"the GPU rollout (SGLang) prefills in chunks of {ROLLOUT}.max_num_batched_tokens, as true asks",
-        fix=f"the rollout always prefills in chunks of {ROLLOUT}.max_num_batched_tokens; remove it "
-            "(a max_num_batched_tokens >= prompt_length + response_length prefills each prompt whole)"),
     f"{ROLLOUT}.load_format": VerlKey(
         same=_dummy, note="the rollout engine starts without the checkpoint and receives the actor's "
                           "weights before it generates, as dummy* asks",
@@ -159,8 +139,9 @@ def _fsdp_key(key: str) -> Optional[tuple[str, VerlKey]]:
         if key.startswith(head):
             name = key[len(head):]
             return section, _fsdp(meg, trains).get(name) or VerlKey(
-                fix=f"an FSDP setting of verl's; Trident trains with Megatron-core (this model's "
-                    f"settings are {meg}.*); remove it")
+                fix=f"an FSDP setting of verl's that Trident does not act on (the fully sharded strategies "
+                    f"read param_offload, optimizer_offload, offload_policy, reshard_after_forward, "
+                    f"forward_prefetch, fsdp_size, wrap_policy; this model's settings are {meg}.*); remove it")
     return None
 
 
@@ -187,13 +168,14 @@ def resolve(key: str, value: Any, in_schema: bool) -> Iterator[Answer]:
         return
     fsdp = _fsdp_key(key)
     entry = fsdp[1] if fsdp else KEYS[key]
-    if entry.alias:
+    if entry.alias and (entry.alias_if is None or entry.alias_if(value)):
         yield Answer("alias", key, value, f"config: {key} is verl's FSDP name; {entry.note}", entry.alias)
     elif entry.accepts(value):
         if in_schema:
             yield Answer("accept", key, value)
         else:
-            yield Answer("note", key, value, f"config: {key}={value!r} is verl's; {entry.note}: ignored"
-                         if entry.note else "")
+            note = entry.same_note or entry.note
+            yield Answer("note", key, value, f"config: {key}={value!r} is verl's; {note}: ignored"
+                         if note else "")
     else:
         yield Answer("refuse", key, value, f"{key}={value!r}: {entry.fix}")

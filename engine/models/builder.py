@@ -163,9 +163,10 @@ class TridentGPTModel(GPTModel):
                 out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
             finally:
                 self.post_process = True
-            fsdp.fix_checkpoint_offsets(out, self, prefix)  # strategy fsdp2's value head
-            return out
-        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        else:
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        fsdp.fix_checkpoint_offsets(out, self, prefix)  # strategy fsdp / fsdp2 (parallel/fsdp.py)
+        return out
 
     def output_weight(self):
         """This rank's vocab shard of the output projection (tied or not); a fully sharded one

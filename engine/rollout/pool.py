@@ -136,6 +136,7 @@ class PoolClient:
     def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None):
         """Collective over the training world: every bucket to every pool rank."""
         from engine.rollout.colocated import bucket_bytes, to_hf_names
+        from parallel import fsdp
         from parallel.reshard import iter_buckets
         from engine.rollout.update_group import broadcast_bucket, manifest
         self.version += 1
@@ -143,20 +144,21 @@ class PoolClient:
             for p in self.pool:
                 self.bridge.send(("weights", self.version), p)
         sent = 0
-        for bucket in iter_buckets(chunks, bucket_bytes(bucket_megabytes), plan=plan):
-            named = to_hf_names(hf_config, bucket)
-            if self.pg is not None:  # the manifest to the leaders, the tensors over the group
-                described = manifest(named)
-                for p in self.fed:
-                    self.bridge.send(described, p)
-                sent += broadcast_bucket(self.pg, named)
-            elif self.fed:
-                buffer = _flat(named)
-                head = [(n, tuple(t.shape), t.dtype) for n, t in named]
-                for p in self.fed:
-                    self.bridge.send(head, p)
-                    self.bridge.send_tensor(buffer, p)
-                sent += buffer.numel()
+        with fsdp.gathered(chunks):  # a fully sharded model's full values (parallel/fsdp.py)
+            for bucket in iter_buckets(chunks, bucket_bytes(bucket_megabytes), plan=plan):
+                named = to_hf_names(hf_config, bucket)
+                if self.pg is not None:  # the manifest to the leaders, the tensors over the group
+                    described = manifest(named)
+                    for p in self.fed:
+                        self.bridge.send(described, p)
+                    sent += broadcast_bucket(self.pg, named)
+                elif self.fed:
+                    buffer = _flat(named)
+                    head = [(n, tuple(t.shape), t.dtype) for n, t in named]
+                    for p in self.fed:
+                        self.bridge.send(head, p)
+                        self.bridge.send_tensor(buffer, p)
+                    sent += buffer.numel()
         for p in self.fed:  # the sender of a pool rank's buckets closes its stream
             self.bridge.send(("end", None), p)
         return sent

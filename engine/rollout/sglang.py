@@ -48,6 +48,7 @@ USED_API = {
     "ServerArgs": ["model_path", "dtype", "load_format", "tp_size", "mem_fraction_static",
                    "chunked_prefill_size", "max_running_requests", "enable_memory_saver", "random_seed",
                    "enable_deterministic_inference", "enable_return_routed_experts",
+                   "disable_cuda_graph",
                    # placement (engine/rollout/topology.py)
                    "base_gpu_id", "nnodes", "node_rank", "dist_init_addr"],
     # keys of the per-request sampling_params dict (fields of sglang's SamplingParams)
@@ -133,14 +134,17 @@ USED_API = {
 def engine_kwargs(model_path: str, dtype: str, load_format: str, tensor_model_parallel_size: int,
                   gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int,
                   enable_deterministic_inference: bool, record_routing: bool, max_num_seqs: int = 1024,
-                  base_gpu_id: int = 0, placement: Optional[dict] = None) -> dict:
+                  base_gpu_id: int = 0, placement: Optional[dict] = None, enforce_eager: bool = False,
+                  enable_chunked_prefill: bool = True) -> dict:
     """verl's rollout config + the topology's placement -> sglang ServerArgs (USED_API['ServerArgs'])."""
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization} "
                          f"must be in (0, 1): the fraction of GPU memory for weights + KV cache")
+    # verl's enforce_eager / enable_chunked_prefill: SGLang's CUDA graphs off; -1 prefills whole prompts
     out = dict(model_path=model_path, dtype=dtype, load_format=load_format,
                tp_size=tensor_model_parallel_size, mem_fraction_static=gpu_memory_utilization,
-               chunked_prefill_size=max_num_batched_tokens, max_running_requests=max_num_seqs,
+               chunked_prefill_size=max_num_batched_tokens if enable_chunked_prefill else -1,
+               disable_cuda_graph=enforce_eager, max_running_requests=max_num_seqs,
                enable_memory_saver=True, random_seed=seed,
                enable_deterministic_inference=enable_deterministic_inference,
                enable_return_routed_experts=record_routing, base_gpu_id=base_gpu_id)
@@ -228,7 +232,8 @@ class SGLangRollout(RolloutEngine):
                  dtype: str = "bfloat16", load_format: str = "dummy", tensor_model_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, seed: int = 0,
                  enable_deterministic_inference: bool = False, record_routing: bool = False,
-                 max_num_seqs: int = 1024, placement: Optional[dict] = None, **extra_server_args):
+                 max_num_seqs: int = 1024, placement: Optional[dict] = None, enforce_eager: bool = False,
+                 enable_chunked_prefill: bool = True, **extra_server_args):
         if model_path is None:
             raise ValueError("SGLangRollout needs model_path= (a directory with the HF config and tokenizer; "
                              "with load_format='dummy' the weights come from update_weights)")
@@ -250,7 +255,8 @@ class SGLangRollout(RolloutEngine):
         kwargs = engine_kwargs(model_path, dtype, load_format, tp, gpu_memory_utilization,
                                max_num_batched_tokens, seed, enable_deterministic_inference, record_routing,
                                max_num_seqs=max_num_seqs, base_gpu_id=placement.pop("base_gpu_id", 0),
-                               placement=placement)
+                               placement=placement, enforce_eager=enforce_eager,
+                               enable_chunked_prefill=enable_chunked_prefill)
         self.serves = kwargs.get("node_rank", 0) == 0
         if not self.serves:  # node_rank >= 1 of a multi-node engine: start, do not block
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
