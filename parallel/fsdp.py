@@ -21,6 +21,7 @@ What Trident adds around it:
 Tests: tests/test_fsdp.py
 """
 import contextlib
+import warnings
 from typing import Dict
 
 import torch
@@ -182,6 +183,17 @@ def _units():
     return {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
 
 
+def check_layout(lora) -> None:
+    """What the fully sharded strategies run with (engine/config/validate.py says it to the user
+    first; this guards direct construction)."""
+    from megatron.core import parallel_state as ps
+    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
+        raise ValueError("strategy fsdp/fsdp2 runs with pipeline_model_parallel_size=1 and "
+                         "expert_model_parallel_size=1; use strategy: megatron for PP / EP")
+    if lora:
+        raise ValueError("strategy fsdp/fsdp2 with LoRA is not supported; use strategy: megatron")
+
+
 def check_divisible(chunk, dp: int) -> None:
     """Megatron's checkpoint shards of an FSDP parameter are dim-0 pieces of equal size
     (megatron/core/utils.py make_*sharded_tensor_for_checkpoint); a gated fc1's must not straddle
@@ -280,6 +292,10 @@ def wrap(chunk, *, reshard_after_forward: bool = True, forward_prefetch: bool = 
     from megatron.core.distributed import DistributedDataParallelConfig
     from torch.distributed.fsdp import FSDPModule
 
+    # torch warns that a unit's output is a view an in-place op could detach from its backward
+    # hook; Megatron's layers do not modify their outputs in place (tests/test_fsdp.py compares
+    # every gradient with the megatron strategy's)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     group = ps.get_data_parallel_group(with_context_parallel=True)
     check_divisible(chunk, dist.get_world_size(group))
     broadcast_replicas(chunk, group)

@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
 # Keys accepted with one value only; any other is refused with a message (tested below).
-REFUSED = {"actor_rollout_ref.hybrid_engine": (False, "only the colocated hybrid engine"),
-           "actor_rollout_ref.actor.strategy": ("fsdp", "Trident trains with Megatron-core")}
+REFUSED = {"actor_rollout_ref.hybrid_engine": (False, "only the colocated hybrid engine")}
 # Where a key's value is read: the engine, minus the schema, its loading and its range checks.
 NOT_READERS = ("engine/config/schema.py", "engine/config/load.py", "engine/config/validate.py",
                "engine/config/validate_experience.py", "engine/config/verl.py")

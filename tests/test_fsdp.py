@@ -3,17 +3,28 @@ update as `strategy: megatron` at DP 2, with each rank holding half of the param
 read and written through the sharded layout (iter_global, load_global, the hybrid engine's
 sync)."""
 import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from engine.config import load_config
 
 from tests.multirank import run_on_ranks
 from tests.test_layouts import _weight_for
 from tests.test_ppo_update import B, R, _batch, _configs
 from tests.tiny_models import tiny_config
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERL = os.path.join(ROOT, "tests", "verl_configs", "qwen2_5_7b_gsm8k_fsdp2.yaml")
+A, RO = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
-def _update(strategy, role, tp=1):
+
+def _update(strategy, role, tp=1, reshard_after_forward=True, forward_prefetch=False):
     from megatron.core import parallel_state as ps
 
     from engine.workers.actor import ActorWorker
@@ -27,8 +38,10 @@ def _update(strategy, role, tp=1):
     # distinct, asymmetric clips; several micro-batches accumulate into one step
     actor_cfg, critic_cfg, model_cfg = _configs(clip_ratio_low=0.15, clip_ratio_high=0.3,
                                                 ppo_micro_batch_size_per_gpu=2)
-    actor_cfg = dataclasses.replace(actor_cfg, strategy=strategy)
-    critic_cfg = dataclasses.replace(critic_cfg, strategy=strategy)
+    meg = dataclasses.replace(actor_cfg.megatron, reshard_after_forward=reshard_after_forward,
+                              forward_prefetch=forward_prefetch)
+    actor_cfg = dataclasses.replace(actor_cfg, strategy=strategy, megatron=meg)
+    critic_cfg = dataclasses.replace(critic_cfg, strategy=strategy, megatron=meg)
     if role == "actor":
         worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     else:
@@ -51,9 +64,22 @@ def _update(strategy, role, tp=1):
         first = worker.compute_values(mine, micro_batch_size=3)
         mine["values"] = first + mine["noise"] * mine["response_mask"]
         metrics = worker.update_critic(mine)
-    return dict(rank=rank, first=first, metrics=metrics, held=held,
+    return dict(rank=rank, first=first, metrics=metrics, held=held, units=_units(worker),
                 loaded_ok=all(torch.equal(t, _weight_for(n, t.shape)) for n, t in loaded.items()),
                 weights=dict(iter_global(worker.chunks)))
+
+
+def _units(worker):
+    """What torch's FSDP received per layer unit: (reshards after forward, forward-prefetches)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed.fsdp import FSDPModule
+    out = []
+    for m in worker.chunks[0].modules():
+        if isinstance(m, FSDPModule) and isinstance(m, TransformerLayer):
+            state = m._get_fsdp_state()
+            group = state._fsdp_param_group
+            out.append((group.post_forward_mesh_info is not None, len(state._states_to_forward_prefetch)))
+    return out
 
 
 def _compare(a, b):
@@ -75,6 +101,17 @@ def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
         assert _compare(m["weights"], f["weights"]) < 1e-5
         # DP 2: every parameter's rows split over the two ranks
         assert f["held"] * 2 == m["held"]
+        assert f["units"] == [(True, 0)] * 4 and m["units"] == []
+
+
+def test_fsdp_config_keys_reach_torchs_units_and_keep_the_update():
+    """reshard_after_forward=false / forward_prefetch=true (verl's fsdp_config): each layer keeps
+    its gathered weights until backward and prefetches the next one (the last: none)."""
+    base = run_on_ranks(_update, 2, "fsdp2", "actor")
+    tuned = run_on_ranks(_update, 2, "fsdp2", "actor", 1, False, True)
+    for b, t in zip(base, tuned):
+        assert t["units"] == [(False, 1), (False, 1), (False, 1), (False, 0)]
+        assert _compare(b["weights"], t["weights"]) < 1e-6
 
 
 def _resume(tmp, saved_with, loaded_with, load_optimizer=True, dtype="float32"):
@@ -167,3 +204,64 @@ def test_a_critic_checkpoint_holds_the_value_head_whole_across_strategies(tmp_pa
             assert res[strategy].keys() == res["at_save"].keys()
             for name, tensor in res["at_save"].items():
                 assert torch.equal(res[strategy][name], tensor), (strategy, name)
+
+
+QWEN = os.path.join(ROOT, "recipes", "qwen2_5_7b_gsm8k_ppo.yaml")
+
+
+def test_the_planner_divides_a_fully_sharded_model_over_dp():
+    """Qwen2.5-7B on 8 GPUs at TP 2 (DP 4): the actor's weights, gradients and optimizer state per
+    rank under fsdp2 against the written formula, next to megatron's (its distributed optimizer
+    shards only the optimizer state)."""
+    from tools.plan import estimate
+    plans = {s: estimate(load_config(QWEN, [f"{A}.strategy={s}", "critic.strategy=megatron"]), 8,
+                         gpu_mem_gib=80, device="cuda")["models"]["actor"]
+             for s in ("megatron", "fsdp2")}
+    meg, full = plans["megatron"], plans["fsdp2"]
+    p, dp = meg["params"], 4
+    assert full["params"] == p and full["strategy"] == "fsdp2"
+    unit = full["weights"] - p * 2 / dp  # one unit gathered whole (bf16)
+    assert 0 < unit < p * 2 / 8  # a layer or the vocabulary projection, far below the model
+    assert meg["weights"] == p * 2 and meg["grads"] == p * 4
+    assert full["grads"] == pytest.approx(p * 4 / dp + unit)
+    assert full["optimizer"] == pytest.approx(meg["optimizer"]) == pytest.approx(12 * p / dp)
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    ([f"{A}.megatron.pipeline_model_parallel_size=2"], f"{A}.megatron.pipeline_model_parallel_size",
+     "without pipeline stages"),
+    ([f"{A}.megatron.overlap_grad_reduce=true"], f"{A}.megatron.overlap_grad_reduce", "FSDP overlaps"),
+    ([f"{A}.megatron.use_distributed_optimizer=false"], f"{A}.megatron.use_distributed_optimizer",
+     "always shards the optimizer state"),
+    (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.ref.megatron.param_offload=false"],
+     f"{A}.strategy", "LoRA adapters train under strategy megatron"),
+    (["critic.megatron.overlap_param_gather=true"], "critic.megatron.overlap_param_gather", "FSDP overlaps"),
+])
+def test_what_fsdp2_does_not_run_with_is_refused_by_key(overrides, key, fix):
+    from engine.config import ConfigError
+    with pytest.raises(ConfigError) as info:
+        load_config(VERL, [f"{RO}.name=cpu", "trainer.n_gpus_per_node=2", *overrides])
+    assert str(info.value).startswith(key + "=") and fix in str(info.value)
+
+
+def test_fsdp_only_keys_are_refused_under_megatron():
+    from engine.config import ConfigError
+    with pytest.raises(ConfigError, match=f"{A}.megatron.forward_prefetch=True: only read with {A}.strategy fsdp"):
+        load_config(VERL, [f"{RO}.name=cpu", f"{A}.strategy=megatron", f"{A}.megatron.forward_prefetch=true"])
+
+
+def test_the_verl_recipe_trains_two_steps_with_fsdp2_on_two_ranks(tmp_path):
+    """tests/verl_configs' FSDP2 + vLLM recipe as written, with this machine's backend and ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "engine.train", VERL, f"{RO}.name=cpu", "trainer.n_gpus_per_node=2",
+           f"trainer.default_local_dir={tmp_path}/ckpt", f"trainer.log_dir={tmp_path}/logs",
+           "trainer.logger=[console,jsonl]"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in records if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:  # both models updated, every figure finite
+        assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))

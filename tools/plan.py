@@ -103,17 +103,17 @@ def estimate(cfg, world_size: int, gpu_mem_gib: float, device: str = "cuda") -> 
     tokens = {"actor": _micro_tokens(arr.actor, c)}
     models = {"actor": model_memory(
         shape, arr.actor.megatron, lay, head="lm", tokens=tokens["actor"],
-        n_micro=d.actor.grad_accum_steps or 1, train=True, device=device)}
+        n_micro=d.actor.grad_accum_steps or 1, train=True, device=device, strategy=arr.actor.strategy)}
     if d.use_critic:
         cshape = shape_of(hf_config_of(c.critic.model))
         tokens["critic"] = _micro_tokens(c.critic, c)
         models["critic"] = model_memory(
             cshape, c.critic.megatron, lay, head="value", tokens=tokens["critic"],
-            n_micro=d.critic.grad_accum_steps or 1, train=True, device=device)
+            n_micro=d.critic.grad_accum_steps or 1, train=True, device=device, strategy=c.critic.strategy)
     log_prob_tokens = _micro_tokens(arr.rollout, c, "log_prob_use_dynamic_bsz", "log_prob")
     if d.use_reference:
         models["ref"] = model_memory(shape, arr.ref.megatron, lay, head="lm", tokens=log_prob_tokens,
-                                     n_micro=1, train=False, device=device)
+                                     n_micro=1, train=False, device=device, strategy=arr.ref.strategy)
     if c.reward_model.enable:
         rshape = shape_of(hf_config_of(c.reward_model.model))
         models["reward_model"] = model_memory(rshape, c.reward_model.megatron, lay, head="value",
@@ -358,7 +358,8 @@ def _report(e):
         lines.append(f"  {name:7s} stage {m['stage']}: {m['params'] / 1e9:.3f} B params "
                      f"(experts {m['expert_params'] / 1e9:.3f} B)  weights {_gib(m['weights'])}  "
                      f"grads {_gib(m['grads'])}  optimizer {_gib(m['optimizer'])}  "
-                     f"activations {_gib(m['activations'])}")
+                     f"activations {_gib(m['activations'])}"
+                     + (f"  [{m['strategy']}: sharded over DP x CP]" if m.get("strategy", "megatron") != "megatron" else ""))
     r = e["rollout"]
     head = (f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
             f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: ")

@@ -203,8 +203,13 @@ def full_kl_bytes(s: Shape, c, lay, tokens: int, device: str, pbytes: int):
 
 
 def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, train: bool,
-                 device: str) -> dict:
-    """Bytes per rank of one model (worst pipeline stage) for a Megatron section `m`."""
+                 device: str, strategy: str = "megatron") -> dict:
+    """Bytes per rank of one model (worst pipeline stage) for a Megatron section `m`.
+
+    strategy fsdp / fsdp2 (parallel/fsdp.py, PP = 1): parameters, gradients and optimizer state
+    divided over DP x CP, plus one unit gathered whole while it computes (the largest of a
+    layer and the vocabulary projection; two layers with forward_prefetch) and its unsharded
+    gradient before the reduce-scatter."""
     tp, pp, ep, etp, cp = lay.tp, lay.pp, lay.ep, lay.etp, lay.cp
     sp = bool(m.sequence_parallel)
     pbytes = DTYPE_BYTES[m.params_dtype] if device == "cuda" else 4
@@ -221,6 +226,13 @@ def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, trai
         p = dense + expert
         out = dict(params=p, dense_params=dense, expert_params=expert,
                    weights=p * pbytes, grads=0, optimizer=0, activations=0, forward_activations=0)
+        shard, unit = 1, 0
+        if strategy != "megatron":
+            shard = lay.dp * cp
+            vocab = s.vocab * s.h // tp
+            layer = (p - vocab * (2 if head == "lm" else 1)) / max(s.layers, 1)
+            unit = max(layer * (2 if m.forward_prefetch else 1), vocab)
+            out["weights"] = p * pbytes / shard + unit * pbytes
         per = s.layers // pp
         per_layer = [layer_activation_bytes(s, bool(s.moe_pattern[i]), tp, sp, etp, device)
                      for i in range(stage * per, (stage + 1) * per)]
@@ -230,7 +242,9 @@ def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, trai
         if train:
             dp_shard = lay.dp if m.use_distributed_optimizer else 1
             edp_shard = lay.expert_dp if m.use_distributed_optimizer else 1
-            out["grads"] = p * 4
+            if shard > 1:  # fully sharded: everything over DP x CP
+                dp_shard = edp_shard = shard
+            out["grads"] = p * 4 / shard + unit * pbytes
             out["optimizer"] = opt_bytes * (dense / dp_shard + expert / edp_shard)
             if recompute:
                 kept = per * s.h / (tp if sp else 1) * pbytes
@@ -244,6 +258,7 @@ def model_memory(s: Shape, m, lay, *, head: str, tokens: int, n_micro: int, trai
                 act += head_bytes(s, tokens, tp, device, pbytes, head)
             out["activations"] = act
         out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+        out["strategy"] = strategy
         if best is None or out["total"] > best["total"]:
             best = dict(out, stage=stage)
     return best

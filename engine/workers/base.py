@@ -162,16 +162,6 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
                       cp_last_takes=last_takes)
 
 
-def check_fsdp_layout(lora) -> None:
-    """What the fully sharded strategies run with (engine/config/checks.py says it to the user
-    first; this guards direct construction)."""
-    if ps.get_pipeline_model_parallel_world_size() > 1 or ps.get_expert_model_parallel_world_size() > 1:
-        raise ValueError("strategy fsdp/fsdp2 runs with pipeline_model_parallel_size=1 and "
-                         "expert_model_parallel_size=1; use strategy: megatron for PP / EP")
-    if lora:
-        raise ValueError("strategy fsdp/fsdp2 with LoRA is not supported; use strategy: megatron")
-
-
 class MegatronWorker:
     """A model (actor, critic or reference) on this rank's Megatron layout."""
 
@@ -212,7 +202,7 @@ class MegatronWorker:
         self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
         self.sharded = strategy != "megatron"  # parallel/fsdp.py: parameters sharded over DP
         if self.sharded:
-            check_fsdp_layout(lora)
+            fsdp.check_layout(lora)
             self.chunks = [fsdp.wrap(c, reshard_after_forward=megatron_cfg.reshard_after_forward,
                                      forward_prefetch=megatron_cfg.forward_prefetch)
                            for c in self.chunks]
