@@ -26,6 +26,10 @@ PAIRS = {
                                 expert_tensor_parallel_size=1, sequence_parallel="true"), 2, MOE),
     "pp2vpp2-to-tp2": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2,
                        FOUR_LAYERS),
+    # strategy fsdp2 (parallel/fsdp.py): TP 2 x DP 2 with every DP rank holding half of its TP
+    # shard; the sync reads the gathered values
+    "fsdp2-tp2-to-tp1": (dict(tensor_model_parallel_size=2, use_distributed_optimizer="true"), 1,
+                         ["actor_rollout_ref.actor.strategy=fsdp2"]),
 }
 
 
@@ -98,8 +102,9 @@ def _sync_with(tmp, names, rollout):
     pytest.param("cpu", ["ep2tp2-moe-to-tp2", "pp2vpp2-to-tp2"], marks=pytest.mark.slow),
     ("sglang", ["ep2tp2-moe-to-tp2"]),
     pytest.param("cpu", ["tp2pp2-to-tp1", "tp2-to-tp2"], marks=pytest.mark.slow),
+    ("cpu", ["fsdp2-tp2-to-tp1"]),
     pytest.param("sglang", ["tp2pp2-to-tp1", "tp2-to-tp2", "pp2vpp2-to-tp2"], marks=pytest.mark.slow),
-], ids=["cpu-moe-vpp", "sglang-moe", "cpu-tp-pp", "sglang-tp-pp-vpp"])
+], ids=["cpu-moe-vpp", "sglang-moe", "cpu-tp-pp", "cpu-fsdp2-tp2", "sglang-tp-pp-vpp"])
 def test_rollout_weights_equal_the_full_gather_bit_for_bit(tmp_path, rollout, names):
     ranks = run_on_ranks(_sync, 4, str(tmp_path), names, rollout)
     for name in names:

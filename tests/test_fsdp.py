@@ -265,3 +265,13 @@ def test_the_verl_recipe_trains_two_steps_with_fsdp2_on_two_ranks(tmp_path):
     for r in steps:  # both models updated, every figure finite
         assert r["actor/grad_norm"] > 0 and r["critic/grad_norm"] > 0
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+
+
+@pytest.mark.slow  # 4 ranks, ~30 s; the DP 2 case above is the fast one
+def test_fsdp2_with_tensor_parallel_gives_megatrons_update():
+    meg = run_on_ranks(_update, 4, "megatron", "actor", 2)
+    fsdp = run_on_ranks(_update, 4, "fsdp2", "actor", 2)
+    for m, f in zip(meg, fsdp):
+        assert torch.allclose(m["first"], f["first"], atol=1e-6)
+        assert _compare(m["weights"], f["weights"]) < 1e-5
+        assert f["held"] * 2 == m["held"]
