@@ -18,7 +18,7 @@ What Trident adds around it:
   sync, an export — read through `value(param)`; `write(param, full)` stores a full value
   into the shards (loading a checkpoint or HF weights).
 
-Tests: tests/test_fsdp.py
+Tests: tests/test_fsdp.py, tests/test_delivery.py, tests/gpu/test_fsdp_gpu.py
 """
 import contextlib
 import warnings
