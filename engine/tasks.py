@@ -5,6 +5,11 @@
 `code`:  "write a Python function ..." prompts checked by asserts in the sandbox
          (data_source "code_asserts", engine/rewards/code.py); needs a real model's tokenizer
          (the character-level one has no letters).
+`multiply`: "123*456=" -> "56088", beyond a tiny model's reach without a tool; its agent
+         tokenizer (`build_agent_tokenizer`: printable ASCII, one character one token, plus the
+         chat and tool-call special tokens) renders system / user / assistant / tool turns
+         Hermes / Qwen style, so SFT on tool-using conversations (engine/data/sft.py
+         `tool_conversations`) and a multi-turn rollout see the same tokens.
 
 `difficulty` sets how hard it is to learn from random init:
 
@@ -13,6 +18,7 @@
     arith 2: a+b or a-b, a, b in 0..99  (answer up to three tokens, may be negative)
     copy  d: a number with d+1 digits
     code  0: a one-line function; 1: a loop; 2: a small algorithm
+    multiply d: two numbers of d+2 digits each
 
 Rows follow the parquet prompt schema of engine/data/prompts.py; their `data_source` selects the
 reward: for arith / copy the graded one of engine/rewards/arith.py (dense enough for GRPO to
@@ -33,7 +39,7 @@ CHARACTERS = list("0123456789+-*= #")
 # The template only prepends bos: the prompt text itself is the whole "conversation".
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
-BuiltinTask = typing.Literal["arith", "copy", "code"]  # data.builtin_task (engine/config/schema.py)
+BuiltinTask = typing.Literal["arith", "copy", "code", "multiply"]  # data.builtin_task (engine/config/schema.py)
 BUILTIN_TASKS = typing.get_args(BuiltinTask)
 
 
@@ -50,9 +56,61 @@ def build_tokenizer():
     return tokenizer
 
 
-def save_tokenizer(directory):
-    """Write the built-in tokenizer so `AutoTokenizer.from_pretrained(directory)` loads it."""
-    tokenizer = build_tokenizer()
+# The agent tokenizer (task `multiply`): its own ids, the character-level one's stay as they are.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+AGENT_SPECIAL_TOKENS = [PAD, UNK, IM_START, IM_END]
+AGENT_CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
+# Hermes / Qwen style turns. Each message renders on its own (a tool message is its own turn),
+# so rendering messages[:k] is a prefix of rendering messages[:k+1] (engine/data/sft.py checks);
+# an assistant turn is the generation prompt, its content, its tool calls, then eos (<|im_end|>).
+AGENT_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>tool\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}{% set f = call.function or call %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}}"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_agent_tokenizer():
+    """One token per printable ASCII character (and newline), the chat tokens <|im_start|> and
+    <|im_end|> (eos: a model turn ends there), the tool-call tags as added tokens that decoding
+    keeps; no bos."""
+    from tokenizers import AddedToken
+    vocab = {token: i for i, token in enumerate(AGENT_SPECIAL_TOKENS + AGENT_CHARACTERS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=PAD,
+                                        unk_token=UNK, padding_side="left",
+                                        additional_special_tokens=[IM_START])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer.chat_template = AGENT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def builtin_tokenizer(task):
+    """The tokenizer of built-in task `task`: the agent one for `multiply`, else character-level."""
+    return build_agent_tokenizer() if task == "multiply" else build_tokenizer()
+
+
+def save_tokenizer(directory, task="arith"):
+    """Write a built-in task's tokenizer so `AutoTokenizer.from_pretrained(directory)` loads it."""
+    tokenizer = builtin_tokenizer(task)
     tokenizer.save_pretrained(directory)
     return tokenizer
 
@@ -66,6 +124,12 @@ def _arith_example(rng, difficulty):
         a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-")
     answer = a + b if op == "+" else a - b
     return f"{a}{op}{b}=", str(answer)
+
+
+def _multiply_example(rng, difficulty):
+    digits = difficulty + 2
+    a, b = (rng.randint(10 ** (digits - 1), 10 ** digits - 1) for _ in range(2))
+    return f"{a}*{b}=", str(a * b)
 
 
 def _copy_example(rng, difficulty):
@@ -142,7 +206,7 @@ def _code_example(rng, difficulty):
     return prompt, tests, name, reference
 
 
-_GENERATORS = {"arith": _arith_example, "copy": _copy_example}
+_GENERATORS = {"arith": _arith_example, "copy": _copy_example, "multiply": _multiply_example}
 
 
 def make_rows(name, n, seed, difficulty=0, split="train"):
@@ -189,4 +253,4 @@ def make_builtin_task(name="arith", seed=0, n_train=1024, n_val=128, difficulty=
     """(train rows, val rows, tokenizer) for a built-in task; the splits use separate streams."""
     train = make_rows(name, n_train, seed, difficulty, split="train")
     val = make_rows(name, n_val, seed, difficulty, split="test")
-    return train, val, build_tokenizer()
+    return train, val, builtin_tokenizer(name)

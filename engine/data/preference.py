@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 
 from engine.batch import Batch
-from engine.data.prompts import PromptLoader, is_empty, is_messages, left_pad, write_prompt_parquet
+from engine.data.prompts import (PromptLoader, is_empty, is_messages, left_pad, right_pad,
+                                 write_prompt_parquet)
 from engine.data.rows import RowPolicy
 from engine.errors import DataError
 
@@ -217,7 +218,8 @@ class PreferenceDataset:
 
 
 class PairLoader(PromptLoader):
-    """PromptLoader's seeded, resumable order over pairs; a batch is a list of examples."""
+    """PromptLoader's seeded, resumable order over pairs (or SFT conversations): a batch is a
+    list of examples."""
 
     def _make_batch(self, order, b, epoch=None):
         return [self.dataset[i] for i in order[b * self.batch_size:(b + 1) * self.batch_size]]
@@ -230,12 +232,7 @@ def pair_batch(examples, pad_token_id):
     prompts = [e["prompt_ids"] for e in examples for _ in range(2)]
     responses = [e[k] for e in examples for k in ("chosen_ids", "rejected_ids")]
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id)
-    width = max(len(r) for r in responses)
-    resp = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
-    rmask = torch.zeros(len(responses), width, dtype=torch.long)
-    for i, r in enumerate(responses):
-        resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        rmask[i, :len(r)] = 1
+    resp, rmask = right_pad(responses, pad_token_id)
     tensors = dict(input_ids=torch.cat([prompt_ids, resp], 1),
                    attention_mask=torch.cat([prompt_mask, rmask], 1),
                    responses=resp, response_mask=rmask)

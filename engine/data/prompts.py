@@ -207,6 +207,19 @@ def left_pad(sequences, pad_token_id, length=None):
     return input_ids, attention_mask
 
 
+def right_pad(sequences, pad_token_id, length=None):
+    """(ids [B, T], mask [B, T]) with each sequence left-aligned (right padding): responses."""
+    length = length or max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq) > length:
+            raise ValueError(f"sequence {row} has {len(seq)} tokens > pad length {length}")
+        ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, :len(seq)] = 1
+    return ids, mask
+
+
 @dataclass
 class PromptBatch:
     input_ids: list            # list of token-id lists, unpadded

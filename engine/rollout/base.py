@@ -90,6 +90,14 @@ class RolloutOutput:
     finish_reasons: list[str]
     routed_experts: Optional[list[torch.Tensor]] = field(default=None)
 
+    def share(self, rows: slice) -> tuple:
+        """(responses, log_probs, routed or None, loss masks or None) of `rows`: what a DP replica
+        receives (the loss masks of a multi-turn rollout, engine/rollout/multi_turn.py)."""
+        masks = getattr(self, "loss_masks", None)
+        return (self.responses[rows], self.log_probs[rows],
+                None if self.routed_experts is None else self.routed_experts[rows],
+                masks[rows] if masks else None)
+
     def padded(self, pad_token_id: int, length: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Right-padded ``responses`` [rows, L] (long), ``response_mask`` [rows, L] (1 = real
         token) and ``rollout_log_probs`` [rows, L] (float32, 0 on padding)."""

@@ -27,19 +27,25 @@ def sampling_params(rollout_cfg, stop_token_ids, step, train=True, greedy=False)
 
 def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length, raw_chat=False):
     """Batch of `rows` (this replica's prompt indices) x n samples from `got` (prompt index ->
-    (responses, log-probs, routed experts or None), engine/rollout/group.py). `raw_chat`
+    RolloutOutput.share: responses, log-probs, routed experts, loss masks), engine/rollout/
+    group.py). `response_mask` is verl's: the tokens trained on (a multi-turn rollout's model
+    tokens); `attention_mask` holds every valid token, observations included. `raw_chat`
     (data.return_raw_chat) keeps each row's prompt as written (chat messages or text)."""
     prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
                                        pad_id, prompt_length)
     resp_list = [got[i][0][j] for i in rows for j in range(n)]
     lp_list = [got[i][1][j] for i in rows for j in range(n)]
+    # a multi-turn rollout's loss masks (1 = model token, 0 = observation); else every token's 1
+    masks = [None if len(got[i]) < 4 or got[i][3] is None else got[i][3][j] for i in rows for j in range(n)]
     resp = torch.full((len(resp_list), response_length), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(resp_list), response_length, dtype=torch.long)
     rmask = torch.zeros(len(resp_list), response_length, dtype=torch.long)
     rlp = torch.zeros(len(resp_list), response_length)
-    for k, (t, lp) in enumerate(zip(resp_list, lp_list)):
+    for k, (t, lp, m) in enumerate(zip(resp_list, lp_list, masks)):
         t = t[:response_length]
         resp[k, :len(t)] = torch.tensor(t, dtype=torch.long)
-        rmask[k, :len(t)] = 1
+        valid[k, :len(t)] = 1
+        rmask[k, :len(t)] = 1 if m is None else torch.tensor(m[:response_length], dtype=torch.long)
         rlp[k, :len(t)] = torch.tensor(lp[:response_length])
     extra = {}
     if any(got[i][2] is not None for i in rows):  # MoE routing recorded for actor.router_replay
@@ -48,7 +54,7 @@ def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length
         extra["raw_prompt"] = [prompts.raw_prompts[i] for i in rows for _ in range(n)]
     return Batch(
         tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
-                     attention_mask=torch.cat([prompt_mask, rmask], 1),
+                     attention_mask=torch.cat([prompt_mask, valid], 1),
                      responses=resp, response_mask=rmask, rollout_log_probs=rlp, prompt_mask=prompt_mask),
         non_tensors=dict(
             uid=[prompts.indices[i] for i in rows for _ in range(n)],

@@ -186,7 +186,7 @@ class GroupedRollout:
     # -- generation ------------------------------------------------------------------------
     def generate_for_replicas(self, prompt_ids: list, keys: list, sampling: SamplingParams,
                               generate=None) -> dict:
-        """{prompt index: (responses, log_probs, routed or None)} (n samples each) for the
+        """{prompt index: RolloutOutput.share of its n samples} for the
         prompts of this rank's DP replica. Collective over all ranks.
 
         `generate(engine, prompt_ids, sampling, keys)` runs the engine (the trainer passes one
@@ -198,11 +198,8 @@ class GroupedRollout:
         if self.calls_engine and len(mine):  # SPMD: the group's ranks generate together, the leader sends
             run = generate or (lambda e, p, s, k: e.generate(p, s, keys=k))
             out = run(self.engine, [prompt_ids[i] for i in mine], sampling, [keys[i] for i in mine])
-            routed = out.routed_experts
             for k, i in enumerate(mine):
-                rows = slice(k * n, (k + 1) * n)
-                produced[i] = (out.responses[rows], out.log_probs[rows],
-                               None if routed is None else routed[rows])
+                produced[i] = out.share(slice(k * n, (k + 1) * n))
         moved, pending, keep = 0, [], []
         if self.is_leader:
             for d, prompts in plan.sends(self.group.index):

@@ -172,7 +172,7 @@ class PoolClient:
                                                     relays=relays, n_train=n_train)), p)
 
     def receive(self, dp_rank, replica_group):
-        """This replica's {prompt index: (responses, log-probs, routed)} and the weight version
+        """This replica's {prompt index: RolloutOutput.share} and the weight version
         they were generated with (collective within the replica)."""
         relay = self.replicas[dp_rank][0]
         box = [None]
@@ -267,10 +267,7 @@ def serve(bridge, group, T, generate):
         n = msg["sampling"].n
         if not group.is_leader:
             continue
-        produced = {} if out is None else {
-            i: (out.responses[k * n:(k + 1) * n], out.log_probs[k * n:(k + 1) * n],
-                None if out.routed_experts is None else out.routed_experts[k * n:(k + 1) * n])
-            for k, i in enumerate(mine)}
+        produced = {} if out is None else {i: out.share(slice(k * n, (k + 1) * n)) for k, i in enumerate(mine)}
         shares = split_evenly(len(msg["prompts"]), len(msg["relays"]))
         for relay, share in zip(msg["relays"], shares):
             part = overlap(range(mine[0], mine[-1] + 1), share) if mine else range(0)

@@ -99,7 +99,8 @@ def sample_sequences(batch: Batch):
     input_ids, attn = batch["input_ids"], batch["attention_mask"].bool()
     width = batch["responses"].shape[1]
     prompt_attn = attn[:, : attn.shape[1] - width]
-    resp_len = batch["response_mask"].sum(-1).tolist()
+    # every valid response token (a multi-turn response_mask leaves out observations)
+    resp_len = attn[:, attn.shape[1] - width:].sum(-1).tolist()
     out = []
     for i in range(len(batch)):
         prompt = input_ids[i, : prompt_attn.shape[1]][prompt_attn[i]]

@@ -1,0 +1,199 @@
+"""engine/rollout/multi_turn.py: trajectories of model turns and observations, token in / token
+out, limits, and trajectories that do not wait for each other's tools."""
+import threading
+import time
+
+import pytest
+
+from engine.rollout.base import FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
+from engine.rollout.multi_turn import Limits, Observation, cut_at, run
+
+EOS, TAG, OBS = 2, [7, 8], [30, 31, 32]
+
+
+class Script:
+    """A stand-in engine: row r's turn t answers `turns[r][t]` (ids; a turn ending in TAG calls a
+    tool); every call is logged with its time and the rows' prompts (the full history)."""
+
+    def __init__(self, turns, lp=-0.5):
+        self.turns, self.lp, self.calls = turns, lp, []
+
+    def __call__(self, prompts, sampling, keys):
+        assert sampling.n == 1
+        self.calls.append((time.monotonic(), [list(p) for p in prompts]))
+        out = []
+        for p in prompts:
+            row, turn = p[0], sum(1 for i in range(len(p)) if p[i:i + len(TAG)] == TAG)
+            ids = list(self.turns[row][turn])[:sampling.max_new_tokens]
+            out.append(ids)
+        return RolloutOutput(prompt_index=list(range(len(prompts))), responses=out,
+                             log_probs=[[self.lp - 0.01 * i for i in range(len(r))] for r in out],
+                             finish_reasons=[FINISH_STOP if r and r[-1] == EOS else FINISH_LENGTH for r in out])
+
+
+class Tools:
+    """An Actor: a tool call gets OBS (after `delay[row]` seconds); an answer ends it."""
+    timeout_s = 5.0
+
+    def __init__(self, delay=None, fail_rows=()):
+        self.delay, self.fail_rows, self.log = delay or {}, set(fail_rows), []
+
+    def act(self, trajectory, text, called):
+        row = trajectory.prompt[0]
+        self.log.append((time.monotonic(), row, text, called))
+        if row in self.fail_rows:
+            raise RuntimeError("a bug in the actor")
+        if not called:
+            return Observation(done=True)
+        time.sleep(self.delay.get(row, 0.0))
+        return Observation(ids=OBS, tool_calls=1)
+
+
+def _run(turns, actor, prompts=None, limits=Limits(64), n=1):
+    prompts = prompts or [[r, 1, 1] for r in range(len(turns))]
+    return run(Script(turns), prompts, SamplingParams(n=n, max_new_tokens=64), list(range(len(prompts))),
+               actor=actor, decode=lambda ids: " ".join(map(str, ids)), end_tag=TAG, limits=limits)
+
+
+def test_a_three_turn_trajectory_is_its_tokens_with_a_model_mask():
+    turns = [[[5, 6, *TAG, 9, 9], [5, *TAG], [4, 4, EOS]]]  # what follows the tag is dropped
+    out = _run(turns, Tools())
+    assert out.responses[0] == [5, 6, *TAG, *OBS, 5, *TAG, *OBS, 4, 4, EOS]
+    assert out.loss_masks[0] == [1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+    assert out.turn_starts[0] == [0, 7, 13]
+    lps = out.log_probs[0]
+    assert lps[:4] == [-0.5, -0.51, -0.52, -0.53] and lps[4:7] == [0.0] * 3  # the engine's, 0 on observations
+    assert out.stats[0]["turns"] == 3 and out.stats[0]["observations"] == 2 and out.stats[0]["ended"] == "answer"
+    assert out.stats[0]["tool_calls"] == 2 and out.finish_reasons == [FINISH_STOP]
+
+
+def test_every_turn_sees_the_history_as_ids_never_retokenised():
+    turns = [[[5, *TAG], [6, EOS]]]
+    script = Script(turns)
+    run(script, [[0, 1, 1]], SamplingParams(max_new_tokens=64), [0], actor=Tools(), decode=str,
+        end_tag=TAG, limits=Limits(64))
+    assert [p for _, ps in script.calls for p in ps] == [[0, 1, 1], [0, 1, 1, 5, *TAG, *OBS]]
+
+
+@pytest.mark.parametrize("limits, ending, length", [
+    (Limits(64, max_assistant_turns=2), "max_assistant_turns", 4 + 3 + 4),  # its call goes unanswered
+    (Limits(64, max_user_turns=1), "max_user_turns", 4 + 3 + 4),
+    (Limits(9), "length", 9),  # the second observation is cut at the budget
+])
+def test_limits_end_a_trajectory_and_say_which(limits, ending, length):
+    turns = [[[5, 6, *TAG], [5, 6, *TAG], [5, 6, *TAG], [EOS]]]
+    out = _run(turns, Tools(), limits=limits)
+    assert out.stats[0]["ended"] == ending and len(out.responses[0]) == length
+
+
+def test_a_slow_tool_does_not_delay_the_other_trajectories():
+    """Row 0's tool sleeps 1.5 s; rows 1 and 2 go through their three turns meanwhile."""
+    turns = [[[5, *TAG], [EOS]]] + [[[5, *TAG], [5, *TAG], [6, EOS]]] * 2
+    tools = Tools(delay={0: 1.5})
+    start = time.monotonic()
+    out = _run(turns, tools)
+    slow_done = [t for t, row, _, _ in tools.log if row == 0][-1]  # row 0's answer after its tool
+    others_done = max(t for t, row, _, called in tools.log if row in (1, 2) and not called)
+    assert others_done - start < 0.8 < 1.5 <= slow_done - start
+    assert [s["ended"] for s in out.stats] == ["answer"] * 3
+
+
+def test_an_actor_that_raises_ends_its_trajectory_not_the_run():
+    turns = [[[5, *TAG], [EOS]], [[5, *TAG], [6, EOS]]]
+    out = _run(turns, Tools(fail_rows={0}))
+    assert out.stats[0]["ended"] == "answer" and out.stats[0]["tool_errors"] == 1
+    assert out.responses[1] == [5, *TAG, *OBS, 6, EOS]
+
+
+def test_samples_of_a_prompt_draw_their_turns_from_their_own_streams():
+    seen = []
+
+    def generate(prompts, sampling, keys):
+        seen.append(list(keys))
+        return RolloutOutput(prompt_index=list(range(len(prompts))), responses=[[EOS]] * len(prompts),
+                             log_probs=[[0.0]] * len(prompts), finish_reasons=[FINISH_STOP] * len(prompts))
+    run(generate, [[1], [2]], SamplingParams(n=2, max_new_tokens=4), [10, 11], actor=Tools(), decode=str,
+        end_tag=TAG, limits=Limits(8))
+    assert len(set(seen[0])) == 4  # (prompt key, sample, turn) -> a stream each
+
+
+def test_cut_at():
+    assert cut_at([1, 7, 8, 9], TAG) == 3 and cut_at([7, 1, 8], TAG) is None and cut_at([1], []) is None
+
+
+def test_the_loop_runs_in_threads_it_does_not_leave_behind():
+    before = threading.active_count()
+    _run([[[5, *TAG], [EOS]]], Tools())
+    time.sleep(0.2)
+    assert threading.active_count() <= before + 1
+
+
+# -- masking in training ------------------------------------------------------------------
+def _masked_update(alter):
+    """One actor update (1 rank) on a batch whose responses hold observations (response_mask 0,
+    attention 1); `alter` garbles the observation positions' (or, as a control, a model
+    position's) training inputs."""
+    import torch
+
+    from engine.workers.actor import ActorWorker
+    from parallel.mesh import Layout, init_mesh
+    from parallel.shards import iter_global, load_global, local_shards
+    from tests.test_layouts import _weight_for
+    from tests.test_ppo_update import R, _batch, _configs
+    from tests.tiny_models import tiny_config
+
+    init_mesh(Layout(), seed=1)
+    actor_cfg, _, model_cfg = _configs(use_kl_loss=True, entropy_coeff=0.01)
+    worker = ActorWorker(tiny_config("llama"), actor_cfg, model_cfg, response_length=R)
+    shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
+    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    batch = _batch(worker.hf_config.vocab_size)
+    valid = batch["response_mask"].clone()
+    observation = valid.clone() * 0
+    observation[:, 1:3] = valid[:, 1:3]  # tokens 1-2 of each response are an observation
+    batch["response_mask"] = valid - observation
+    width = batch["responses"].shape[1]
+    assert torch.equal(batch["attention_mask"][:, -width:], valid)
+    worker.mini_batch_size_per_rank = len(batch)
+    old = worker.compute_log_prob(batch, micro_batch_size=3)
+    batch["old_log_probs"] = old + batch["noise"] * valid
+    batch["ref_log_prob"] = old - 0.5 * batch["noise"] * valid
+    where = observation.bool() if alter == "observation" else (batch["response_mask"].bool() & (
+        torch.arange(width)[None, :] == 0))
+    if alter is not None:
+        for key, garbage in (("advantages", 1e3), ("old_log_probs", -50.0), ("ref_log_prob", 7.0)):
+            batch[key] = torch.where(where, torch.full_like(batch[key], garbage), batch[key])
+    worker.update_policy(batch)
+    return {n: t.clone() for n, t in iter_global(worker.chunks)}
+
+
+def test_observation_tokens_do_not_train():
+    """Their advantages, old and reference log-probs garbled: the same update, bit for bit; the
+    same garbling at one model token changes it."""
+    import torch
+
+    from tests.multirank import run_on_ranks
+    [clean] = run_on_ranks(_masked_update, 1, None)
+    [garbled] = run_on_ranks(_masked_update, 1, "observation")
+    [control] = run_on_ranks(_masked_update, 1, "model")
+    assert all(torch.equal(clean[n], garbled[n]) for n in clean)
+    assert any(not torch.equal(clean[n], control[n]) for n in clean)
+
+
+def test_the_loss_gradient_at_observation_logits_is_exactly_zero():
+    import torch
+
+    from engine.algorithms.losses import entropy_bonus, kl_loss, policy_loss
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 6))
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, labels[..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    old, ref, adv = logp.detach() + 0.3, logp.detach() - 0.2, torch.randn(2, 6)
+    loss = (policy_loss(logp, old, adv, mask, clip_ratio_low=0.1, clip_ratio_high=0.3)[0]
+            + 0.1 * kl_loss(logp, ref, mask) - 0.01 * entropy_bonus(entropy, mask))
+    loss.backward()
+    grads = logits.grad.abs().sum(-1)
+    assert torch.all(grads[mask == 0] == 0) and torch.all(grads[mask == 1] > 0)
