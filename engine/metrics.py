@@ -459,3 +459,4 @@ def rollout_probs_diff_metrics(old_log_probs, rollout_log_probs, response_mask, 
     dist.all_reduce(sums, group=group)
     return {"training/rollout_probs_diff_max": float(peak),
             "training/rollout_probs_diff_mean": float(sums[0] / sums[1].clamp(min=1))}
+

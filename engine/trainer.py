@@ -33,6 +33,7 @@ from engine.loop import Loop
 from engine.rollout.colocated import HybridEngine
 from engine.metrics import (Timer, compute_data_metrics, compute_throughput_metrics,
                             peak_memory_gb, reduce_over_dp, rollout_probs_diff_metrics)
+from engine.rollout.multi_turn import multi_turn_metrics
 from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.validation import validate, validate_from
 
@@ -259,6 +260,8 @@ class Trainer(Loop):
             values=batch["values"] if "values" in batch else None,
             max_response_length=self.cfg.actor_rollout_ref.rollout.response_length)
         # token means: weighted by each shard's valid tokens, so the global batch's token mean
+        if "multi_turn" in batch.non_tensors:  # equal-sized shards: means reduce as means
+            local.update(multi_turn_metrics(batch.non_tensors["multi_turn"]))
         tokens = float(batch["response_mask"].sum())
         token_means = ("critic/advantages/mean", "critic/returns/mean", "critic/values/mean")
         return reduce_over_dp(local, self.dp, weights={k: tokens for k in token_means})

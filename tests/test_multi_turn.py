@@ -197,3 +197,16 @@ def test_the_loss_gradient_at_observation_logits_is_exactly_zero():
     loss.backward()
     grads = logits.grad.abs().sum(-1)
     assert torch.all(grads[mask == 0] == 0) and torch.all(grads[mask == 1] > 0)
+
+
+def test_the_metrics_count_turns_tools_tokens_and_endings():
+    from engine.rollout.multi_turn import ENDINGS, multi_turn_metrics
+    turns = [[[5, *TAG], [4, EOS]], [[5, 6, *TAG]] * 3 + [[EOS]]]
+    out = _run(turns, Tools(), limits=Limits(64, max_assistant_turns=3))
+    m = multi_turn_metrics(out.stats)
+    assert (m["num_turns/mean"], m["num_turns/max"], m["num_turns/min"]) == (2.5, 3.0, 2.0)
+    # row 0: 2 turns, 1 call answered; row 1: its third call ends it at the turn limit, unanswered
+    assert m["multi_turn/tool_calls/mean"] == 1.5 and m["multi_turn/observations/mean"] == 1.5
+    assert m["multi_turn/model_tokens/mean"] == (5 + 12) / 2 and m["multi_turn/observation_tokens/mean"] == 4.5
+    assert m["multi_turn/ended/answer"] == 0.5 == m["multi_turn/ended/max_assistant_turns"]
+    assert {k for k in m if k.startswith("multi_turn/ended/")} == {f"multi_turn/ended/{e}" for e in ENDINGS}

@@ -41,7 +41,7 @@ class Logged(Source):
         for i in rows:
             log = data.logged(prompts.indices[i])
             lps = log["log_probs"] or [[0.0] * len(t) for t in log["responses"]]
-            got[i] = (log["responses"], lps, None, None)
+            got[i] = (log["responses"], lps, None, None, None)
             scores += log["scores"]
         batch = ctx.layout(prompts, got, rows=rows)
         if not data.has_log_probs:  # no behaviour policy logged: nothing to correct against

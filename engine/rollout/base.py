@@ -91,12 +91,13 @@ class RolloutOutput:
     routed_experts: Optional[list[torch.Tensor]] = field(default=None)
 
     def share(self, rows: slice) -> tuple:
-        """(responses, log_probs, routed or None, loss masks or None) of `rows`: what a DP replica
-        receives (the loss masks of a multi-turn rollout, engine/rollout/multi_turn.py)."""
-        masks = getattr(self, "loss_masks", None)
+        """(responses, log_probs, routed or None, loss masks or None, trajectory stats or None) of
+        `rows`: what a DP replica receives (a multi-turn rollout's masks and per-trajectory
+        turns / tools / ending, engine/rollout/multi_turn.py)."""
+        masks, stats = getattr(self, "loss_masks", None), getattr(self, "stats", None)
         return (self.responses[rows], self.log_probs[rows],
                 None if self.routed_experts is None else self.routed_experts[rows],
-                masks[rows] if masks else None)
+                masks[rows] if masks else None, stats[rows] if stats else None)
 
     def padded(self, pad_token_id: int, length: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Right-padded ``responses`` [rows, L] (long), ``response_mask`` [rows, L] (1 = real

@@ -50,6 +50,8 @@ def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length
     extra = {}
     if any(got[i][2] is not None for i in rows):  # MoE routing recorded for actor.router_replay
         extra["routed_experts"] = [got[i][2][j] for i in rows for j in range(n)]
+    if any(len(got[i]) > 4 and got[i][4] is not None for i in rows):  # multi-turn: per trajectory
+        extra["multi_turn"] = [got[i][4][j] for i in rows for j in range(n)]
     if raw_chat:
         extra["raw_prompt"] = [prompts.raw_prompts[i] for i in rows for _ in range(n)]
     return Batch(

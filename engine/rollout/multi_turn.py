@@ -186,3 +186,24 @@ def _observe(t: Trajectory, obs: Observation, limits: Limits):
         t.ended = "answer"
     elif limits.max_assistant_turns is not None and t.turns >= limits.max_assistant_turns:
         t.ended = "max_assistant_turns"
+
+
+def multi_turn_metrics(stats) -> dict:
+    """Per-trajectory counts of a multi-turn rollout (engine/rollout/multi_turn.py) as means over
+    this shard's trajectories: verl's num_turns/*, the tools' calls / errors / timeouts, model
+    vs observation tokens, and the share of trajectories each limit (or answer) ended."""
+    if not stats:
+        return {}
+    n = len(stats)
+
+    def mean(key):
+        return sum(float(s.get(key, 0)) for s in stats) / n
+    turns = [s["turns"] for s in stats]
+    out = {"num_turns/mean": mean("turns"), "num_turns/max": float(max(turns)),
+           "num_turns/min": float(min(turns))}
+    for key in ("tool_calls", "tool_errors", "tool_timeouts", "observations", "model_tokens",
+                "observation_tokens"):
+        out[f"multi_turn/{key}/mean"] = mean(key)
+    for ending in ENDINGS:
+        out[f"multi_turn/ended/{ending}"] = sum(s["ended"] == ending for s in stats) / n
+    return out
