@@ -10,7 +10,7 @@ new one is placed on purpose):
     experience   engine.experience (sources, the StepContext)
     config       engine.config (schema, load, validate, derive)
     workers / rollout
-    models / algorithms / rewards / data (and metrics, their shared vocabulary of names)
+    models / algorithms / rewards / data / agents (and metrics, their shared vocabulary of names)
     support      batch, errors, faults, phase, perf: small modules every layer uses
     parallel / kernels
 
@@ -29,7 +29,8 @@ LAYERS = [
     ("config", ("engine.config",)),
     ("workers / rollout", ("engine.workers", "engine.rollout")),
     ("models / algorithms / rewards / data", ("engine.models", "engine.algorithms", "engine.rewards",
-                                              "engine.data", "engine.tasks", "engine.metrics")),
+                                              "engine.data", "engine.tasks", "engine.metrics",
+                                              "engine.agents")),
     ("support", ("engine.batch", "engine.errors", "engine.faults", "engine.phase", "engine.perf")),
     ("parallel / kernels", ("parallel", "kernels")),
 ]
