@@ -14,7 +14,7 @@ trainer, the loop, the experience sources or the workers.
 is raised for mistakes in a tool / interaction config or a user class; nothing a tool or an
 environment does at run time raises.
 
-Tests: tests/test_agent_tools.py
+Tests: tests/test_agent_tools.py, tests/test_agent_render.py
 """
 from engine.errors import UserError
 
