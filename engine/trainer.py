@@ -84,6 +84,11 @@ class Trainer(Loop):
             self.hf_config, self.loader, self.train_data, c.pad_id, self.eos_ids,
             self.dp, self.dp_rank, rank, replicas, replica_group, cfg.trainer.total_training_steps,
             watch=c.watch, comm=self.comm)
+        if arr.rollout.multi_turn.enable:  # trajectories with tools (engine/rollout/tool_actor.py)
+            from engine.rollout import tool_actor
+            self.ctx.run_engine = tool_actor.from_config(arr.rollout.multi_turn, self.tokenizer,
+                                                         arr.rollout.response_length, self.eos_ids,
+                                                         self.ctx.run_engine)
         Loop.__init__(self, cfg, checkpoints=c.checkpoints)  # the shell: logger, step count, cadence
         self.actor.mini_batch_size_per_rank = derived.actor.mini_batch_size_per_rank
         if self.critic is not None:

@@ -232,6 +232,21 @@ class SamplingConfig:
 class RolloutConfig:
     name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise; hf: transformers on CUDA
     temperature: float = 1.0
+@dataclass
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn` keys: trajectories of model turns and tool / environment
+    observations (engine/rollout/multi_turn.py, tool_actor.py; tools, parsers: engine/agents/)."""
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # null: until the response budget is spent
+    max_user_turns: Optional[int] = None  # observations (tool results, environment turns)
+    tool_config_path: Optional[str] = None  # verl's tool config YAML (null: the built-ins)
+    interaction_config_path: Optional[str] = None  # verl's interaction (environment) config YAML
+    max_tool_response_length: int = 256  # characters of a tool result kept (verl's)
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    format: str = "hermes"  # the tool-call parser (engine/agents/parsers.py registry)
+    tool_timeout_s: float = 30.0  # a call still running after this becomes an error observation
+
+
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     n: int = 1  # responses per prompt
@@ -251,6 +266,7 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: actor's ppo_micro_batch_size_per_gpu
     log_prob_use_dynamic_bsz: Optional[bool] = None  # null: actor's use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor's ppo_max_token_len_per_gpu
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # always generate response_length tokens (throughput benchmarks)

@@ -41,6 +41,7 @@ def validate(cfg: TridentConfig) -> None:
     _validate_critic(cfg)
     _validate_lora(cfg)
     _validate_strategies(cfg)
+    _validate_multi_turn(cfg)
     _validate_reward_model(cfg.reward_model, cfg.custom_reward_function, cfg.data.max_response_length)
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
@@ -135,6 +136,32 @@ def _validate_frozen(m: MegatronConfig, prefix: str) -> None:
         if getattr(m, name) != getattr(default, name):
             fail(f"{prefix}.{name}", getattr(m, name), f"the model is frozen and {why}; remove it "
                  f"(param_offload is what a frozen model offloads)")
+
+
+def _validate_multi_turn(cfg: TridentConfig) -> None:
+    """What multi-turn rollouts (engine/rollout/multi_turn.py) run with."""
+    p = "actor_rollout_ref.rollout.multi_turn"
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    check_range(mt, p, "max_assistant_turns", ge=1, optional=True)
+    check_range(mt, p, "max_user_turns", ge=0, optional=True)
+    check_range(mt, p, "max_tool_response_length", ge=1)
+    if not mt.tool_timeout_s > 0:
+        fail(f"{p}.tool_timeout_s", mt.tool_timeout_s, "give the seconds a tool call may run, e.g. 30")
+    if not mt.enable:
+        return
+    from engine.agents.parsers import PARSERS  # the registry names the formats
+    if mt.format not in PARSERS:
+        fail(f"{p}.format", mt.format, f"use one of {', '.join(sorted(PARSERS))}")
+    for key in ("tool_config_path", "interaction_config_path"):
+        path = getattr(mt, key)
+        if path is not None and not os.path.isfile(path):
+            fail(f"{p}.{key}", path, "no such file; give verl's YAML (see tests/agent_configs/)")
+    if cfg.actor_rollout_ref.actor.router_replay:
+        fail("actor_rollout_ref.actor.router_replay", True, f"with {p}.enable the observations are not "
+             "routed by the rollout; turn one of them off")
+    if cfg.trainer.rollout_pool == "separate":
+        fail("trainer.rollout_pool", "separate", f"{p}.enable runs its turns on the colocated engines only "
+             "for now; use trainer.rollout_pool=colocated")
 
 
 def _validate_strategies(cfg: TridentConfig) -> None:
