@@ -210,3 +210,99 @@ def test_the_metrics_count_turns_tools_tokens_and_endings():
     assert m["multi_turn/model_tokens/mean"] == (5 + 12) / 2 and m["multi_turn/observation_tokens/mean"] == 4.5
     assert m["multi_turn/ended/answer"] == 0.5 == m["multi_turn/ended/max_assistant_turns"]
     assert {k for k in m if k.startswith("multi_turn/ended/")} == {f"multi_turn/ended/{e}" for e in ENDINGS}
+
+
+# -- the Actor of verl's multi_turn config, on the agent tokenizer --------------------------
+def _tool_actor(timeout_s=2.0, tools=None, max_chars=None):
+    from engine.agents.parsers import get_parser
+    from engine.agents.render import observation_ids
+    from engine.agents.runner import ToolRunner
+    from engine.rollout.tool_actor import ToolActor
+    from engine.tasks import build_agent_tokenizer
+
+    tok = build_agent_tokenizer()
+    if tools is None:
+        from engine.agents.tools import BUILTINS
+        tools = {"calculator": BUILTINS["calculator"]()}
+    actor = ToolActor(ToolRunner(tools, timeout_s=timeout_s, max_response_chars=max_chars), get_parser("hermes"),
+                      lambda messages: observation_ids(tok, messages))
+    return tok, actor
+
+
+@pytest.mark.parametrize("call, result", [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>', "56088"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+"}</tool_call>', "Error:"),
+    ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "Error: unknown tool 'search'"),
+    ('<tool_call>not json</tool_call>', "Error"),
+])
+def test_a_tool_call_becomes_the_templates_tool_turn(call, result):
+    tok, actor = _tool_actor()
+    obs = actor.act(None, call, called=True)
+    text = tok.decode(obs.ids)
+    assert text.startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>" + result)
+    assert text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert obs.tool_calls == 1 and obs.tool_errors == (result != "56088") and not obs.done
+    assert actor.act(None, "56088", called=False) == Observation(done=True)  # an answer ends it
+
+
+def test_a_hanging_tool_is_an_error_observation_within_its_timeout():
+    from engine.agents.tools import Tool
+
+    class Hang(Tool):
+        name, description = "hang", "never returns"
+
+        def call(self, **_):
+            time.sleep(30)
+    tok, actor = _tool_actor(timeout_s=0.3, tools={"hang": Hang()})
+    start = time.monotonic()
+    obs = actor.act(None, '<tool_call>{"name": "hang", "arguments": {}}</tool_call>', called=True)
+    assert time.monotonic() - start < 2.0 and obs.tool_timeouts == 1
+    assert "timed out" in tok.decode(obs.ids)
+
+
+def test_cpu_backend_trajectories_are_the_models_own_tokens_and_log_probs():
+    """A tiny random Llama on the agent tokenizer, its tool-call end tag made likely: sampled
+    trajectories of several turns with (mostly malformed) tool calls and their error
+    observations. Teacher-forcing each whole trajectory through the same transformers model gives
+    the rollout's log-prob at every model token (fp32), and the observations are the template's."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.rollout.cpu import CPURollout
+    from engine.rollout.multi_turn import Limits
+    from engine.rollout.tool_actor import multi_turn_generate
+
+    tok, actor = _tool_actor(max_chars=24)
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # the last hidden state mostly the current token's embedding, whose
+        for layer in model.model.layers:  # dim 0 every token shares: the end tag about 15 % likely
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[end, 0] = 0.52
+        model.lm_head.weight[tok.eos_token_id, 0] = -0.5  # answers rarer than calls
+    engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
+    engine.sync_weights([list(model.state_dict().items())])
+    prompts = [tok.encode(f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+               for a, b in ((123, 456), (7, 8))]
+    run_engine = multi_turn_generate(lambda e, p, s, k: e.generate(p, s, keys=k), lambda: actor,
+                                     decode=tok.decode, end_tag=[end], limits=Limits(160, max_assistant_turns=4))
+    out = run_engine(engine, prompts, SamplingParams(n=3, max_new_tokens=160, seed=5), [0, 1])
+    assert max(s["turns"] for s in out.stats) >= 3 and sum(s["observations"] for s in out.stats) >= 3
+    for row, (ids, mask, lps) in enumerate(zip(out.responses, out.loss_masks, out.log_probs)):
+        prompt = prompts[out.prompt_index[row]]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        model_tokens = torch.tensor(mask).bool()
+        assert torch.allclose(ref[model_tokens], torch.tensor(lps)[model_tokens], atol=1e-4), row
+        starts = out.turn_starts[row]
+        for a, b in zip(starts, starts[1:]):  # between two turns: the end tag, then the tool turn
+            observation = [t for t, m in zip(ids[a:b], mask[a:b]) if not m]
+            assert tok.decode(observation).startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>Error")
