@@ -192,7 +192,7 @@ def multi_turn_metrics(stats) -> dict:
     """Per-trajectory counts of a multi-turn rollout (engine/rollout/multi_turn.py) as means over
     this shard's trajectories: verl's num_turns/*, the tools' calls / errors / timeouts, model
     vs observation tokens, and the share of trajectories each limit (or answer) ended."""
-    if not stats:
+    if stats is None or len(stats) == 0:
         return {}
     n = len(stats)
 

@@ -1,0 +1,104 @@
+"""Multi-turn through the real trainer (2 CPU ranks, the CPU backend, the agent tokenizer's
+template, the calculator): the ids trained on are the ids generated, the response mask is the
+trajectories' model tokens, and the trainer's log-probs of model tokens equal the rollout's
+(fp32 rounding) in a batch of several-turn trajectories with tool calls."""
+import os
+
+import torch
+
+from tests.multirank import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
+MT = "actor_rollout_ref.rollout.multi_turn"
+
+
+def save_tool_happy_model(directory):
+    """A tiny Llama on the agent tokenizer whose tool-call end tag is ~15 % likely after any
+    token (tests/test_multi_turn.py's construction), with its tokenizer, as a HF directory."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.tasks import build_agent_tokenizer
+    tok = build_agent_tokenizer()
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.3, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[end, 0] = 0.52
+        model.lm_head.weight[tok.eos_token_id, 0] = -0.5
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+def _step(tmp, model_dir):
+    import torch.distributed as dist
+
+    from engine.config import load_config
+    from engine.train import build
+    from engine.trainer import Trainer, set_seed
+
+    class Recording(Trainer):
+        def compute_advantages(self, batch):
+            batch = super().compute_advantages(batch)
+            self.seen = {k: batch[k].clone() for k in ("responses", "response_mask", "attention_mask",
+                                                          "old_log_probs", "rollout_log_probs")}
+            self.seen["stats"] = list(batch.non_tensors["multi_turn"])
+            return batch
+
+    cfg = load_config(DEMO, [
+        "trainer.logger=[]", "trainer.resume_mode=disable", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", f"trainer.default_local_dir={tmp}/ckpt",
+        f"trainer.log_dir={tmp}/logs/{dist.get_rank()}", "data.builtin_task=multiply",
+        "data.max_prompt_length=32", "data.max_response_length=160", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # 2 updates: old pass
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.model.config=null", f"actor_rollout_ref.model.path={model_dir}",
+        f"{MT}.enable=true", f"{MT}.max_assistant_turns=4", f"{MT}.max_tool_response_length=24"])
+    set_seed(cfg.trainer.seed)
+    t = Recording(*build(cfg, 2))
+    generated = []
+    inner = t.ctx.run_engine
+
+    def recording(engine, prompt_ids, sampling, keys):
+        out = inner(engine, prompt_ids, sampling, keys)
+        generated.extend((list(p), r, m) for p, r, m in zip(
+            [prompt_ids[i] for i in out.prompt_index], out.responses, out.loss_masks))
+        return out
+    t.ctx.run_engine = recording
+    metrics = t.train_step(t.loader.next_batch())
+    t.colocated.to_training()
+    t.rollout.shutdown()
+    return dict(seen=t.seen, generated=generated, metrics=metrics)
+
+
+def test_the_trainer_trains_on_the_generated_trajectories(tmp_path):
+    save_tool_happy_model(tmp_path / "model")
+    ranks = run_on_ranks(_step, 2, str(tmp_path), str(tmp_path / "model"))
+    generated = {tuple(r): (tuple(p), m) for rank in ranks for p, r, m in rank["generated"]}
+    assert len(generated) == 8  # 4 prompts x 2 trajectories, made by the group leaders
+    several = 0
+    for rank in ranks:
+        seen = rank["seen"]
+        valid = seen["attention_mask"][:, -seen["responses"].shape[1]:].bool()
+        for row in range(len(seen["responses"])):
+            ids = tuple(seen["responses"][row][valid[row]].tolist())
+            assert ids in generated  # the ids trained on are a generated trajectory's, whole
+            assert seen["response_mask"][row][valid[row]].tolist() == generated[ids][1]
+        model = seen["response_mask"].bool()
+        diff = (seen["old_log_probs"] - seen["rollout_log_probs"]).abs()[model]
+        assert float(diff.max()) < 1e-4
+        several += sum(s["turns"] >= 3 for s in seen["stats"])
+        assert (seen["response_mask"].bool() & ~valid).sum() == 0
+        assert rank["metrics"]["num_turns/max"] >= 3
+    assert several >= 1
