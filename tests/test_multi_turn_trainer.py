@@ -4,6 +4,7 @@ trajectories' model tokens, and the trainer's log-probs of model tokens equal th
 (fp32 rounding) in a batch of several-turn trajectories with tool calls."""
 import os
 
+import pytest
 import torch
 
 from tests.multirank import run_on_ranks
@@ -39,7 +40,7 @@ def save_tool_happy_model(directory):
     tok.save_pretrained(directory)
 
 
-def _step(tmp, model_dir):
+def _step(tmp, model_dir, extra=()):
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -64,7 +65,7 @@ def _step(tmp, model_dir):
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.model.config=null", f"actor_rollout_ref.model.path={model_dir}",
-        f"{MT}.enable=true", f"{MT}.max_assistant_turns=4", f"{MT}.max_tool_response_length=24"])
+        f"{MT}.enable=true", f"{MT}.max_assistant_turns=4", f"{MT}.max_tool_response_length=24", *extra])
     set_seed(cfg.trainer.seed)
     t = Recording(*build(cfg, 2))
     generated = []
@@ -102,3 +103,16 @@ def test_the_trainer_trains_on_the_generated_trajectories(tmp_path):
         assert (seen["response_mask"].bool() & ~valid).sum() == 0
         assert rank["metrics"]["num_turns/max"] >= 3
     assert several >= 1
+
+
+@pytest.mark.slow  # ~45 s; the fast sibling above runs rollout TP 1 (2 groups)
+def test_the_trajectories_do_not_depend_on_the_rollout_layout(tmp_path):
+    """Rollout TP 2 (one engine for both ranks) and TP 1 (one per rank) sample the same
+    trajectories: each turn draws from its (prompt, sample, turn) stream."""
+    save_tool_happy_model(tmp_path / "model")
+    runs = {}
+    for tp in (1, 2):
+        ranks = run_on_ranks(_step, 2, str(tmp_path / f"tp{tp}"), str(tmp_path / "model"),
+                             [f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
+        runs[tp] = sorted((tuple(p), tuple(r)) for rank in ranks for p, r, _ in rank["generated"])
+    assert len(runs[1]) == 8 and runs[1] == runs[2]
