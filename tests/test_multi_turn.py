@@ -306,3 +306,73 @@ def test_cpu_backend_trajectories_are_the_models_own_tokens_and_log_probs():
         for a, b in zip(starts, starts[1:]):  # between two turns: the end tag, then the tool turn
             observation = [t for t, m in zip(ids[a:b], mask[a:b]) if not m]
             assert tok.decode(observation).startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>Error")
+
+
+class Checker:
+    """An environment: says "higher" until the answer holds 42, then rewards 1 and ends."""
+
+    def __init__(self, config=None):
+        self.turns = 0
+
+    def reset(self, prompt):
+        return None
+
+    def step(self, action):
+        self.turns += 1
+        if "42" in action:
+            return None, 1.0, True
+        return "higher", 0.0, False
+
+
+def test_an_environment_answers_the_models_answers_until_it_ends_and_rewards():
+    from engine.agents.environments import EnvironmentRunner, EnvironmentSpec
+    from engine.agents.parsers import get_parser
+    from engine.agents.render import observation_ids
+    from engine.agents.runner import ToolRunner
+    from engine.rollout.tool_actor import multi_turn_generate
+    from engine.tasks import build_agent_tokenizer
+
+    tok = build_agent_tokenizer()
+    eos = tok.eos_token_id
+    answers = [tok.encode("41", add_special_tokens=False) + [eos], tok.encode("42", add_special_tokens=False) + [eos]]
+
+    def generate(prompts, sampling, keys):  # the n-th answer of a trajectory: count its user turns
+        out = [answers[min(1, tok.decode(p).count("higher"))] for p in prompts]
+        return RolloutOutput(prompt_index=list(range(len(prompts))), responses=out,
+                             log_probs=[[-0.1] * len(r) for r in out], finish_reasons=[FINISH_STOP] * len(out))
+
+    def render(messages):
+        return observation_ids(tok, messages, model_ended_with_eos=messages[0]["role"] == "user", eos_ids=[eos])
+
+    from engine.rollout.tool_actor import ToolActor
+    actor = ToolActor(ToolRunner({}, timeout_s=1.0), get_parser("hermes"), render,
+                      environments=EnvironmentSpec("checker", Checker).make, env_runner=EnvironmentRunner(1.0),
+                      decode_prompt=tok.decode)
+    run_engine = multi_turn_generate(lambda e, p, s, k: generate(p, s, k), lambda: actor, decode=tok.decode,
+                                     end_tag=tok.encode("</tool_call>", add_special_tokens=False), limits=Limits(64))
+    prompt = tok.encode("<|im_start|>user\nguess<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    out = run_engine(None, [prompt], SamplingParams(max_new_tokens=64), [0])
+    text = tok.decode(out.responses[0])
+    assert text == "41<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n42<|im_end|>"
+    assert out.stats[0]["ended"] == "env_done" and out.stats[0]["reward"] == 1.0 and out.stats[0]["turns"] == 2
+    model = [t for t, m in zip(out.responses[0], out.loss_masks[0]) if m]
+    assert tok.decode(model) == "41<|im_end|>42<|im_end|>"
+
+
+def test_an_environments_reward_joins_the_score_on_the_last_model_token():
+    import torch
+
+    from engine.batch import Batch
+    from engine.experience.scoring import score_batch
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]])  # row 0 ends on an observation
+
+    def rule(responses, response_mask, **_):
+        scores = torch.zeros(response_mask.shape, dtype=torch.float64)
+        scores[:, 0] = 0.5
+        return scores, {"rule_score": [0.5, 0.5]}
+    batch = Batch(dict(responses=torch.zeros(2, 6, dtype=torch.long), response_mask=mask),
+                  dict(extra_info=[{}, {}], ground_truth=["", ""], data_source=["x", "x"],
+                       multi_turn=[dict(reward=2.0), dict(reward=0.0)]))
+    scores, extra = score_batch(rule, batch, None, True)
+    assert scores.tolist() == [[0.5, 0, 0, 0, 2.0, 0], [0.5, 0, 0, 0, 0, 0]]
+    assert extra["environment_reward"] == [2.0, 0.0] and extra["rule_score"] == [0.5, 0.5]

@@ -12,11 +12,12 @@ Tests: tests/test_replica_scoring.py, tests/test_trainer_paths.py
 from typing import Optional
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from engine.metrics import reduce_over_dp
 
-REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong")
+REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong", "environment_reward")
 
 
 def replica_groups(rank: int, world: int, dp_rank: int):
@@ -38,10 +39,17 @@ def score_batch(reward_fn, batch, model_scores, rule_reward: bool):
     extra_infos = list(batch["extra_info"])
     if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
         extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
-    return reward_fn(batch["responses"], batch["response_mask"],
-                     ground_truths=list(batch["ground_truth"]) if rule_reward else None,
-                     data_sources=list(batch["data_source"]),
-                     extra_infos=extra_infos, model_scores=model_scores)
+    scores, extra = reward_fn(batch["responses"], batch["response_mask"],
+                              ground_truths=list(batch["ground_truth"]) if rule_reward else None,
+                              data_sources=list(batch["data_source"]),
+                              extra_infos=extra_infos, model_scores=model_scores)
+    if "multi_turn" in batch:  # an interaction's reward (engine/rollout/tool_actor.py), summed over
+        # its turns, joins the trajectory's score on its last model token
+        from engine.rewards.manager import last_token_index
+        env = torch.tensor([float(s.get("reward", 0.0)) for s in batch["multi_turn"]], dtype=scores.dtype)
+        scores[torch.arange(len(env)), last_token_index(batch["response_mask"].cpu())] += env.to(scores.device)
+        extra = dict(extra, environment_reward=env.tolist())
+    return scores, extra
 
 
 def score_once_per_replica(reward_fn, batch, model_scores, rule_reward: bool, rank: int,
