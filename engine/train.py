@@ -337,8 +337,13 @@ def serve_pool(cfg, bridge, n_train):
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
     group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
+    generate, r = engine_generate, derived.config.actor_rollout_ref.rollout
+    if r.multi_turn.enable:  # the pool's engines run the turns; the tools run beside them
+        from engine.rollout import tool_actor
+        generate = tool_actor.from_config(r.multi_turn, tokenizer, r.response_length,
+                                          [tokenizer.eos_token_id] + list(r.stop_token_ids), engine_generate)
     try:
-        serve(bridge, group, n_train, generate=engine_generate)
+        serve(bridge, group, n_train, generate=generate)
     finally:
         group.shutdown()
 

@@ -116,3 +116,40 @@ def test_the_trajectories_do_not_depend_on_the_rollout_layout(tmp_path):
                              [f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}"])
         runs[tp] = sorted((tuple(p), tuple(r)) for rank in ranks for p, r, _ in rank["generated"])
     assert len(runs[1]) == 8 and runs[1] == runs[2]
+
+
+def _launch(tmp_path, name, nproc, model_dir, extra):
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "engine.train", DEMO, "trainer.logger=[jsonl]", "trainer.total_training_steps=2",
+           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false",
+           f"trainer.n_gpus_per_node={nproc}", f"trainer.default_local_dir={tmp_path}/ckpt/{name}",
+           f"trainer.log_dir={tmp_path}/logs/{name}", "data.builtin_task=multiply", "data.max_prompt_length=32",
+           "data.max_response_length=160", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.config=null",
+           f"actor_rollout_ref.model.path={model_dir}", f"{MT}.enable=true", f"{MT}.max_assistant_turns=4",
+           f"{MT}.max_tool_response_length=24", *extra]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = (tmp_path / "logs" / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.mark.slow  # two torchrun runs, ~70 s
+def test_a_separate_rollout_pool_runs_the_same_trajectories(tmp_path):
+    """2 training ranks colocated vs 2 training + 1 rollout rank: the pool's engine drives the
+    turns and its tools; the steps train on the same trajectories (keyed sampling)."""
+    save_tool_happy_model(tmp_path / "model")
+    colocated = _launch(tmp_path, "colocated", 2, tmp_path / "model", [])
+    pool = _launch(tmp_path, "pool", 3, tmp_path / "model",
+                   ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1"])
+    for a, b in zip(colocated, pool):
+        for key in ("num_turns/mean", "num_turns/max", "multi_turn/tool_calls/mean",
+                    "multi_turn/observation_tokens/mean", "actor/pg_loss", "critic/score/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+    assert [r["step"] for r in pool] == [1, 2] and max(r["num_turns/max"] for r in pool) >= 3

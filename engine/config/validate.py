@@ -159,9 +159,6 @@ def _validate_multi_turn(cfg: TridentConfig) -> None:
     if cfg.actor_rollout_ref.actor.router_replay:
         fail("actor_rollout_ref.actor.router_replay", True, f"with {p}.enable the observations are not "
              "routed by the rollout; turn one of them off")
-    if cfg.trainer.rollout_pool == "separate":
-        fail("trainer.rollout_pool", "separate", f"{p}.enable runs its turns on the colocated engines only "
-             "for now; use trainer.rollout_pool=colocated")
 
 
 def _validate_strategies(cfg: TridentConfig) -> None:
