@@ -89,8 +89,8 @@ def load_tokenizer(cfg):
                               f"({str(e).splitlines()[0]}); point it at a directory with "
                               "tokenizer.json / tokenizer_config.json") from None
     if cfg.data.builtin_task:
-        from engine.tasks import build_tokenizer
-        return build_tokenizer()
+        from engine.tasks import builtin_tokenizer
+        return builtin_tokenizer(cfg.data.builtin_task)
     raise ConfigError("actor_rollout_ref.model.tokenizer_path=None: no tokenizer; set it or model.path")
 
 

@@ -40,6 +40,8 @@ CONSOLE_FIELDS = (
     ("actor/entropy", "entropy", "{:.3f}"),
     ("response_length/mean", "resp_len", "{:.1f}"),
     ("loss", "loss", "{:.4f}"),  # offline tasks (reward model, DPO)
+    ("train/loss", "loss", "{:.4f}"),  # SFT (verl's names)
+    ("val/loss", "val_loss", "{:.4f}"),
     ("accuracy", "acc", "{:.3f}"),
     ("rewards/accuracies", "acc", "{:.3f}"),
     ("val/accuracy", "val_acc", "{:.3f}"),

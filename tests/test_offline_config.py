@@ -22,7 +22,7 @@ def test_offline_recipes_validate_and_derive():
 
 
 @pytest.mark.parametrize("recipe,override,match", [
-    (PPO, "trainer.task=sft", r"trainer.task='sft' is not allowed: use one of 'ppo', "
+    (PPO, "trainer.task=kto", r"trainer.task='kto' is not allowed: use one of 'ppo', "
                               r"'reward_model', 'dpo'"),
     (DPO, "actor_rollout_ref.rollout.n=4", r"rollout.n=4: trainer.task='dpo' trains on fixed "
                                            r"preference pairs.*remove it"),

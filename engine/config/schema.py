@@ -50,7 +50,7 @@ KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
 Device = Literal["auto", "cpu", "cuda"]
 ResumeMode = Literal["auto", "disable", "resume_path"]
-Task = Literal["ppo", "reward_model", "dpo"]  # what a recipe trains (engine/offline: the others)
+Task = Literal["ppo", "reward_model", "dpo", "sft"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
 RolloutIs = Literal["token", "sequence"]  # algorithm.rollout_correction.rollout_is (null: off)
@@ -108,6 +108,10 @@ class DataConfig:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     margin_key: Optional[str] = None  # reward model: a column of per-pair margins (Bradley-Terry)
+    # SFT conversations (trainer.task sft, engine/data/sft.py), verl's SFT dataset names
+    messages_key: str = "messages"  # a list of {role, content[, tool_calls]} messages
+    tools_key: str = "tools"  # optional column of tool schemas passed to the chat template
+    max_length: int = 1024  # tokens of a whole conversation (data.truncation beyond it)
     # Offline PPO / GRPO from logged responses (engine/experience/logged.py, engine/data/logged.py): parquet with the
     # prompt (prompt_key), `response` (text or token ids), `reward` or `score`, and optionally
     # `rollout_log_probs` (the behaviour policy's, one per response token); no generation
@@ -229,10 +233,6 @@ class SamplingConfig:
 
 
 @dataclass
-class RolloutConfig:
-    name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise; hf: transformers on CUDA
-    temperature: float = 1.0
-@dataclass
 class MultiTurnConfig:
     """verl's `rollout.multi_turn` keys: trajectories of model turns and tool / environment
     observations (engine/rollout/multi_turn.py, tool_actor.py; tools, parsers: engine/agents/)."""
@@ -247,6 +247,10 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0  # a call still running after this becomes an error observation
 
 
+@dataclass
+class RolloutConfig:
+    name: RolloutName = "auto"  # auto: sglang on cuda, cpu otherwise; hf: transformers on CUDA
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     n: int = 1  # responses per prompt
@@ -262,11 +266,11 @@ class MultiTurnConfig:
     enforce_eager: bool = False  # no CUDA graphs
     enable_chunked_prefill: bool = True  # prefill in chunks of max_num_batched_tokens
     free_cache_engine: bool = True
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     update_weights_bucket_megabytes: int = 512
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # null: actor's ppo_micro_batch_size_per_gpu
     log_prob_use_dynamic_bsz: Optional[bool] = None  # null: actor's use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # null: actor's ppo_max_token_len_per_gpu
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # always generate response_length tokens (throughput benchmarks)
@@ -458,8 +462,9 @@ class TrainerConfig:
     rollout_pool: Literal["colocated", "separate"] = "colocated"
     rollout_pool_ranks: int = 0
     off_policy_steps: int = 0  # 1: step t+1 generates while step t trains (separate pool)
-    # ppo; reward_model (Bradley-Terry on preference pairs); dpo. The offline tasks train the
-    # actor_rollout_ref.model with the actor's optim / megatron / micro-batch keys
+    # ppo; reward_model (Bradley-Terry on preference pairs); dpo; sft (conversations). The
+    # offline tasks train the actor_rollout_ref.model with the actor's optim / megatron /
+    # micro-batch keys
     task: Task = "ppo"
 
     def due(self, freq_key: str, step: int, total: int) -> bool:

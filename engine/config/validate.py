@@ -1,6 +1,6 @@
 """Validation: one ConfigError naming the key, the value and the fix, per mistake.
 
-Tests: tests/test_config.py, tests/test_config_keys.py, tests/test_offline_config.py
+Tests: tests/test_config.py, tests/test_config_keys.py, tests/test_offline_config.py, tests/test_sft.py
 """
 from __future__ import annotations
 
@@ -229,10 +229,12 @@ def _validate_ppo_batching(section: Any, p: str, cfg: TridentConfig, micro_requi
              f"divides train_batch_size x rollout.n); use one of {options}")
     if section.use_dynamic_bsz:
         need = cfg.data.max_prompt_length + cfg.data.max_response_length
+        what = f"data.max_prompt_length + max_response_length = {need}"
+        if cfg.trainer.task == "sft":
+            need, what = cfg.data.max_length, f"data.max_length = {cfg.data.max_length}"
         if section.ppo_max_token_len_per_gpu < need:
             fail(f"{p}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu,
-                 f"must fit one full sequence (data.max_prompt_length + max_response_length = {need}); "
-                 f"set it to at least {need}")
+                 f"must fit one full sequence ({what}); set it to at least {need}")
     elif section.ppo_micro_batch_size_per_gpu is None and micro_required:
         fail(f"{p}.ppo_micro_batch_size_per_gpu", None,
              f"set the per-rank micro-batch (sequences), or set {p}.use_dynamic_bsz=true")
@@ -412,13 +414,16 @@ def _validate_trainer(cfg: TridentConfig) -> None:
 
 
 def _validate_task(cfg: TridentConfig) -> None:
-    """Offline tasks (engine/offline) train on preference pairs: the keys only they read, and the
-    PPO keys that would silently do nothing there, are refused where they cannot act."""
+    """Offline tasks (engine/offline) train on preference pairs (reward_model, dpo) or
+    conversations (sft): the keys only they read, and the PPO keys that would silently do
+    nothing there, are refused where they cannot act."""
     task, d, dpo = cfg.trainer.task, cfg.data, cfg.algorithm.dpo
     check_range(dpo, "algorithm.dpo", "beta", gt=0.0)
-    offline = task in ("reward_model", "dpo")
+    pairs = task in ("reward_model", "dpo")
+    offline = pairs or task == "sft"
     where = f"trainer.task={task!r}"
-    if not offline:
+    _validate_sft_keys(d, task, where)
+    if not pairs:
         for key, value, default in (("chosen_key", d.chosen_key, "chosen"),
                                     ("rejected_key", d.rejected_key, "rejected")):
             if value != default:
@@ -448,11 +453,16 @@ def _validate_task(cfg: TridentConfig) -> None:
         ("reward_model.enable", True, cfg.reward_model.enable)]
     for key, value, bad in refused:
         if bad:
-            fail(key, value, f"{where} trains on fixed preference pairs (no rollout, rewards, "
-                 "critic or KL loss; one pass per batch: use trainer.total_epochs); remove it")
-    if d.builtin_task not in (None, "arith"):
-        fail("data.builtin_task", d.builtin_task, f"{where} builds preference pairs from the "
-             "'arith' task only; use 'arith' or data.train_files")
+            fail(key, value, f"{where} trains on fixed {'preference pairs' if pairs else 'conversations'} "
+                 "(no rollout, rewards, critic or KL loss; one pass per batch: use "
+                 "trainer.total_epochs); remove it")
+    builtin = "arith" if pairs else "multiply"
+    if d.builtin_task not in (None, builtin):
+        what = "preference pairs" if pairs else "tool-using conversations"
+        fail("data.builtin_task", d.builtin_task, f"{where} builds {what} from the "
+             f"{builtin!r} task only; use {builtin!r} or data.train_files")
+    if not pairs:
+        return
     if dpo.precomputed_ref_log_probs and d.builtin_task:
         fail("algorithm.dpo.precomputed_ref_log_probs", True, "the built-in task's pairs carry no "
              "ref_chosen_logps / ref_rejected_logps columns; set it to false (the reference "
@@ -464,3 +474,23 @@ def _validate_task(cfg: TridentConfig) -> None:
              f"a micro-batch holds whole preference pairs (chosen + rejected, up to 2 x "
              f"(max_prompt_length + max_response_length) = {pair} tokens); set it to at least "
              f"{pair}")
+
+
+def _validate_sft_keys(d: DataConfig, task: str, where: str) -> None:
+    """SFT reads whole conversations (data.messages_key, tools_key, max_length), nothing else
+    reads those, and SFT reads no prompt / response split."""
+    default = DataConfig()
+    if task != "sft":
+        for key in ("messages_key", "tools_key", "max_length"):
+            if getattr(d, key) != getattr(default, key):
+                fail(f"data.{key}", getattr(d, key), f"read by trainer.task='sft' only ({where}); "
+                     "remove it")
+        return
+    check_range(d, "data", "max_length", ge=2)
+    for key in ("messages_key", "tools_key"):
+        if not getattr(d, key):
+            fail(f"data.{key}", getattr(d, key), "set the parquet column's name")
+    for key in ("prompt_key", "max_prompt_length", "max_response_length"):
+        if getattr(d, key) != getattr(default, key):
+            fail(f"data.{key}", getattr(d, key), f"{where} reads whole conversations "
+                 "(data.messages_key, their length limit data.max_length); remove it")

@@ -33,7 +33,7 @@ def validate_experience(cfg: TridentConfig) -> None:
                           ("trainer.balance_batch", cfg.trainer.balance_batch)):
             if set_:
                 fail(key, _value(cfg, key), f"a PPO key; trainer.task={cfg.trainer.task!r} trains "
-                     "on preference pairs; remove it")
+                     "offline (no rollout); remove it")
 
 
 def _value(cfg, key):

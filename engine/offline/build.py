@@ -1,14 +1,18 @@
-"""Everything an offline run needs, from a validated config: tokenizer, preference pairs, the
-layout, the trained model (and the DPO reference), checkpoints; returns the trainer.
+"""Everything an offline run needs, from a validated config: tokenizer, preference pairs or
+SFT conversations, the layout, the trained model (and the DPO reference), checkpoints; returns
+the trainer.
 
 The trained model is `actor_rollout_ref.model` with the actor's optim / megatron / micro-batch
-keys (micro-batch sizes count pairs); a reward model gets the scalar head (a sequence-
-classification checkpoint's `score.weight` when the path has one, else a fresh head).
+keys (micro-batch sizes count pairs, or conversations for SFT); a reward model gets the scalar
+head (a sequence-classification checkpoint's `score.weight` when the path has one, else a fresh
+head).
 
-Tests: tests/test_offline_trainers.py, tests/test_offline_layouts.py, tests/test_offline_pipeline.py
+Tests: tests/test_offline_trainers.py, tests/test_offline_layouts.py, tests/test_offline_pipeline.py,
+tests/test_sft.py
 """
 from engine.data import pad_token_id, truncation_of
 from engine.data.preference import PreferenceDataset, arith_pairs
+from engine.data.sft import SFTDataset, tool_conversations
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
 
@@ -31,17 +35,33 @@ def load_pair_datasets(cfg, tokenizer):
     return train, val
 
 
+def load_sft_datasets(cfg, tokenizer):
+    d = cfg.data
+    kw = dict(tokenizer=tokenizer, max_length=d.max_length, truncation=truncation_of(d),
+              messages_key=d.messages_key, tools_key=d.tools_key)
+    if d.builtin_task:
+        level = d.builtin_task_difficulty
+        return (SFTDataset(tool_conversations(BUILTIN_TRAIN_PAIRS, d.seed, level, "train"), **kw),
+                SFTDataset(tool_conversations(BUILTIN_VAL_PAIRS, d.seed, level, "test"), **kw))
+    train = SFTDataset(list(d.train_files), **kw)
+    val = SFTDataset(list(d.val_files), **kw) if d.val_files else None
+    return train, val
+
+
 def build_offline(cfg, world_size):
-    """The trainer of `cfg.trainer.task` ('reward_model' or 'dpo') on this rank."""
+    """The trainer of `cfg.trainer.task` ('reward_model', 'dpo' or 'sft') on this rank."""
     from engine.config import derive, validate_layout
     from engine.models.arch import arch_spec
-    from engine.offline.trainer import DPOTrainer, RewardModelTrainer
+    from engine.offline.trainer import DPOTrainer, RewardModelTrainer, SFTTrainer
     from engine.workers.pairs import DPOWorker, RewardModelTrainWorker
+    from engine.workers.sft import SFTWorker
     from engine.loading import copy_weights, load_hf_config, load_tokenizer
     from parallel.mesh import init_mesh
 
     tokenizer = load_tokenizer(cfg)
-    train_data, val_data = load_pair_datasets(cfg, tokenizer)
+    task = cfg.trainer.task
+    load = load_sft_datasets if task == "sft" else load_pair_datasets
+    train_data, val_data = load(cfg, tokenizer)
     derived = derive(cfg, world_size, dataset_len=len(train_data))
     cfg = derived.config
     arr = cfg.actor_rollout_ref
@@ -54,9 +74,12 @@ def build_offline(cfg, world_size):
     steps = cfg.trainer.total_training_steps
     pad = pad_token_id(tokenizer)  # the run's pad id, once: the workers and the trainer get this one
     ref = None
-    if cfg.trainer.task == "reward_model":
+    if task == "reward_model":
         model = RewardModelTrainWorker(hf_config, arr.actor, arr.model, total_steps=steps,
                                        pad_token_id=pad)
+    elif task == "sft":
+        model = SFTWorker(hf_config, arr.actor, arr.model, total_steps=steps, pad_token_id=pad)
+        model.oom_retries = cfg.trainer.oom_retry
     else:
         model = DPOWorker(hf_config, arr.actor, arr.model, cfg.algorithm.dpo, total_steps=steps,
                           pad_token_id=pad)
@@ -79,6 +102,8 @@ def build_offline(cfg, world_size):
                                         verify=t.checkpoint_verify)
     kw = dict(tokenizer=tokenizer, hf_config=hf_config, train_data=train_data,
               val_data=val_data, model=model, pad_id=pad, checkpoints=checkpoints)
-    if cfg.trainer.task == "reward_model":
+    if task == "reward_model":
         return RewardModelTrainer(derived, **kw)
+    if task == "sft":
+        return SFTTrainer(derived, **kw)
     return DPOTrainer(derived, ref=ref, **kw)

@@ -37,6 +37,7 @@ _REWARDS = {
     "math": _math,
     "arith": _arith,
     "copy": _arith,
+    "multiply": _arith,  # the final answer, exactly
     code.DATA_SOURCE: _code,
 }
 # data sources whose samples are better scored together (e.g. concurrently):
