@@ -48,6 +48,8 @@ REFUSED = {
     **{f"{s}.lora_rank": (4, "LoRA is implemented for the actor only") for s in ("critic.model", "reward_model.model")},
     "reward_model.model.config": ({"model_type": "llama"}, "loaded from reward_model.model.path"),
     "algorithm.kl_guard.enable": (True, "there is no KL term"),
+    f"{RM}.reshard_after_forward": (False, "the reward model runs on Megatron-core's layout"),
+    f"{RM}.forward_prefetch": (True, "the reward model runs on Megatron-core's layout"),
 }
 # read only when another key turns its feature on (the run here leaves it off) -> the test that drives it
 CONDITIONAL = {
@@ -57,6 +59,8 @@ CONDITIONAL = {
        for k in ("recompute_method", "recompute_num_layers")},
     "custom_reward_function.name": "custom_reward_function.path set: engine/train.py",
     "trainer.seed": "the entry point (engine/train.py), checkpoints and resume: tests/test_resume_rng.py",
+    **{f"{s}.{k}": "strategy fsdp / fsdp2: tests/test_fsdp.py (refused under megatron there too)"
+       for s in (ACTOR, CRITIC, REF) for k in ("reshard_after_forward", "forward_prefetch")},
 }
 # the refusals that need another key set to be reached
 CONTEXT = {"algorithm.kl_guard.enable": ["actor_rollout_ref.actor.use_kl_loss=false"],

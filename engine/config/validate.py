@@ -177,7 +177,9 @@ def _validate_strategies(cfg: TridentConfig) -> None:
             for name, default in (("reshard_after_forward", True), ("forward_prefetch", False)):
                 if getattr(meg, name) != default:
                     fail(f"{m}.{name}", getattr(meg, name), f"only read with {prefix}.strategy fsdp / fsdp2 "
-                         "(the fully sharded strategies); remove it, or set the strategy")
+                         "(the fully sharded strategies); remove it, or set the strategy"
+                         if prefix != "reward_model" else "only read by the fully sharded strategies, and "
+                         "the reward model runs on Megatron-core's layout; remove it")
             continue
         where = f"{prefix}.strategy={strategy!r}"
         for name, why in (("pipeline_model_parallel_size", "pipeline stages"),
