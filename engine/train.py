@@ -2,7 +2,7 @@
 
 Builds everything a PPO run needs from the recipe (layout, tokenizer, data, actor / reference /
 critic on Megatron, rollout engine, rewards, checkpoints) and runs the Trainer; with
-`trainer.task: reward_model | dpo` the offline trainer of engine/offline instead. Which rollout
+`trainer.task: reward_model | dpo | sft` the offline trainer of engine/offline instead. Which rollout
 backend runs, and whether this machine can run it, is engine/rollout/registry.py's answer.
 
 Tests: tests/test_e2e.py, tests/test_bad_inputs.py, tests/test_config_reward_tokenizer.py, tests/test_device_memory.py
@@ -74,7 +74,7 @@ def prepare(cfg, world_size) -> Prepared:
         problem = resume_path_problem(path, _trained_workers(derived) if ppo else None)
         if problem:
             raise ConfigError(f"trainer.resume_from_path={path!r}: {problem}")
-    if not ppo:  # reward model / DPO: engine/offline reads its preference pairs itself
+    if not ppo:  # reward model / DPO / SFT: engine/offline reads its data itself
         return Prepared(derived, tokenizer, None, None, hf_config, pad_id=pad_id)
     critic = resolved.critic.model
     if derived.use_critic and (critic.path, critic.config) != (model.path, model.config):
@@ -402,7 +402,7 @@ def _main(argv=None):
     try:
         if serving:
             serve_pool(cfg, bridge, len(train))
-        elif cfg.trainer.task != "ppo":  # reward model / DPO on preference pairs (engine/offline)
+        elif cfg.trainer.task != "ppo":  # reward model / DPO / SFT (engine/offline)
             from engine.offline.build import build_offline
             build_offline(cfg, dist.get_world_size()).fit()
         else:

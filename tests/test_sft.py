@@ -417,6 +417,19 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small_data):
         assert torch.equal(resumed[0][k], w), k
 
 
+def test_held_out_loss_is_the_training_loss_on_the_same_data(tmp_path, small_data):
+    """val/loss is the token mean over every held-out assistant token (not a mean of row means):
+    held out = the training file, one step over all of it, at the same initial weights."""
+    train = [x for x in small_data if x.startswith("data.train_files")][0]
+    val = train.replace("data.train_files", "data.val_files")
+    _, records = run_on_ranks(_train, 2, str(tmp_path), *small_data, val,
+                              "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+                              "trainer.total_training_steps=1", "trainer.test_freq=1",
+                              "trainer.save_freq=-1", "trainer.resume_mode=disable")[0]
+    assert records[0]["step"] == 0 and records[1]["step"] == 1
+    assert records[0]["val/loss"] == pytest.approx(records[1]["train/loss"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_recipe_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

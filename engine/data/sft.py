@@ -27,9 +27,10 @@ Rows longer than data.max_length tokens follow `data.truncation` by the row poli
 with no assistant token (none in the row, or none left after a cut) is dropped under 'filter'
 (`data/dropped_empty`) and raises otherwise.
 
-A batch uses verl's layout (prompt left-padded, response right-padded) with the "prompt" the
-tokens before the first assistant token (at least one: the first token is never predicted) and
-`loss_mask` [B, R] over the response beside `response_mask` (its valid tokens).
+A batch is a multi-turn rollout's (engine/rollout/multi_turn.py): verl's layout (prompt
+left-padded, response right-padded) with the "prompt" the tokens before the first assistant token
+(at least one: the first token is never predicted), `attention_mask` 1 on every valid token and
+`response_mask` [B, R] the tokens trained on (the loss mask: 0 on tool / user turns).
 
 Tests: tests/test_sft.py
 """
@@ -173,13 +174,13 @@ class SFTDataset:
 
 
 def sft_batch(examples, pad_token_id):
-    """A Batch of conversations in verl's layout plus `loss_mask` [B, R]."""
+    """A Batch of conversations: response_mask = the loss mask, attention_mask = valid tokens."""
     prompt_ids, prompt_mask = left_pad([e["prompt_ids"] for e in examples], pad_token_id)
-    responses, response_mask = right_pad([e["response_ids"] for e in examples], pad_token_id)
+    responses, valid = right_pad([e["response_ids"] for e in examples], pad_token_id)
     loss_mask, _ = right_pad([e["loss_mask"] for e in examples], 0)
     tensors = dict(input_ids=torch.cat([prompt_ids, responses], 1),
-                   attention_mask=torch.cat([prompt_mask, response_mask], 1),
-                   responses=responses, response_mask=response_mask, loss_mask=loss_mask)
+                   attention_mask=torch.cat([prompt_mask, valid], 1),
+                   responses=responses, response_mask=loss_mask)
     return Batch(tensors, dict(sft_index=[e["index"] for e in examples]))
 
 

@@ -226,14 +226,15 @@ class SFTTrainer(OfflineTrainer):
         with Timer("update_actor", timings):
             out = self.model.update_sft(batch, self.mini_size)
         metrics = {self.renamed.get(k, k): v for k, v in out.items()}
-        counts = torch.tensor([float(batch["attention_mask"].sum()), float(batch["loss_mask"].sum())])
+        counts = torch.tensor([float(batch["attention_mask"].sum()),
+                               float(batch["response_mask"].sum())])
         dist.all_reduce(counts, group=ps.get_data_parallel_group())
         metrics["train/global_tokens"], metrics["train/loss_tokens"] = counts.tolist()
         return metrics
 
     def eval_sums(self, batch, weight):
         lp = self.model.compute_log_prob(batch, **self._forward_split("actor")).double()
-        return {"loss": masked_nll_sum(lp, batch["loss_mask"].double() * weight[:, None])}
+        return {"loss": masked_nll_sum(lp, batch["response_mask"].double() * weight[:, None])}
 
     def eval_count(self, batch, weight):
-        return (batch["loss_mask"].double() * weight[:, None]).sum()
+        return (batch["response_mask"].double() * weight[:, None]).sum()

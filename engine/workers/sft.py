@@ -1,13 +1,14 @@
 """The policy trained by supervised fine-tuning (trainer.task=sft): the actor's model, its
 micro-batching and packing, a token-mean negative log-likelihood over the assistant's tokens.
 
-A batch holds conversations in verl's layout with `loss_mask` [B, R] over the response
-(engine/data/sft.py). The loss of a micro-batch is
+A batch holds conversations as a multi-turn rollout's trajectories (engine/data/sft.py):
+`response_mask` [B, R] is the loss mask (the assistant's tokens), `attention_mask` every valid
+token. The loss of a micro-batch is
 
-    - sum over its predictions t of loss_mask_t * log p(token_t) / N
+    - sum over its predictions t of response_mask_t * log p(token_t) / N
 
-with N the mini-batch's loss tokens on all micro-batches and DP ranks (a LossNormaliser over
-`loss_mask`, engine/workers/template.py), so micro-batching, packing, dynamic batching, DP, TP
+with N the mini-batch's loss tokens on all micro-batches and DP ranks (the LossNormaliser of
+engine/workers/template.py), so micro-batching, packing, dynamic batching, DP, TP
 and PP give the same gradients, as for the PPO losses (engine/algorithms/losses.py). The
 log-probs come from the single-pass fused kernel (kernels/logprob.py linear_token_loss: never
 the [tokens, vocab] logits; `use_fused_kernels=false`: one chunk of every prediction), so a
@@ -53,10 +54,10 @@ class SFTWorker(ActorWorker):
         return train_epochs(self, batch, self._sft_loss, self._reduce_metrics, epochs=1,
                             mini_size=mini_size, response_length=None,
                             micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-                            oom_retries=self.oom_retries, mask_key="loss_mask")
+                            oom_retries=self.oom_retries)
 
     def _sft_loss(self, hidden, mb, mini, norm):
-        mask = mini["loss_mask"][mb.rows].to(hidden.device).float()
+        mask = mini["response_mask"][mb.rows].to(hidden.device).float()
         weight = mb.own_predictions(mb.to_flat(mask)) / max(norm.global_token_count, 1.0)
         h = hidden.reshape(-1, hidden.shape[-1])[mb.positions]
         loss = sft_token_loss(h, self.models[-1].output_weight(), mb.labels, weight,

@@ -93,11 +93,10 @@ def mini_batch_rows(n, size, *, epoch=0, shuffle=False, seed=0, positions=None):
 
 
 def train_epochs(worker, batch, loss_head, reduce, *, epochs, mini_size, response_length,
-                 micro_batch_size=None, max_tokens=None, order_seed=None, oom_retries=0,
-                 mask_key="response_mask"):
+                 micro_batch_size=None, max_tokens=None, order_seed=None, oom_retries=0):
     """`epochs` passes over `batch` in mini-batches of `mini_size` rows; one optimizer step each.
-    `norm` (a LossNormaliser) counts the tokens of `batch[mask_key]` over the mini-batch on all
-    DP ranks (SFT: `loss_mask`, the assistant's tokens).
+    `norm` (a LossNormaliser) counts the tokens trained on (`response_mask`) over the mini-batch
+    on all DP ranks.
 
     loss_head(output, mb, mini, norm) -> (loss, info); reduce(infos) -> {metric: float} of one
     mini-batch. Returns the metrics averaged over the optimizer steps taken, plus
@@ -115,7 +114,7 @@ def train_epochs(worker, batch, loss_head, reduce, *, epochs, mini_size, respons
         for rows in mini_batch_rows(n, mini_size, epoch=epoch, shuffle=order_seed is not None,
                                     seed=order_seed or 0, positions=batch["step_row"] if "step_row" in batch else None):
             mini = batch.index_select(rows)
-            norm = global_counts(LossNormaliser.from_mask(mini[mask_key], response_length),
+            norm = global_counts(LossNormaliser.from_mask(mini["response_mask"], response_length),
                                  ps.get_data_parallel_group())
             while True:
                 worker.zero_grad()
