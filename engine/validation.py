@@ -11,6 +11,16 @@ from collections import defaultdict
 import torch.distributed as dist
 
 
+def answers(out):
+    """What a rule reward reads of each response: the whole response, or a multi-turn
+    trajectory's last model turn (engine/rollout/multi_turn.py; training: scoring.last_turn_mask)."""
+    masks = getattr(out, "loss_masks", None)
+    if not masks:
+        return out.responses
+    return [[t for t, m in zip(r[s[-1]:], mask[s[-1]:]) if m] if s else []
+            for r, mask, s in zip(out.responses, masks, out.turn_starts)]
+
+
 def validate(rollout, val_data, tokenizer, reward_fn, sampling, eos_ids, batch_size=None, generate=None):
     """{'val/<source>/score/mean': ..., 'val/score/mean': ...}; collective over all ranks.
 
@@ -26,7 +36,7 @@ def validate(rollout, val_data, tokenizer, reward_fn, sampling, eos_ids, batch_s
                                            list(range(start, start + len(chunk))), sampling, generate=generate)
         if out is None:
             continue
-        texts = tokenizer.batch_decode([r[:-1] if r and r[-1] in eos_ids else r for r in out.responses],
+        texts = tokenizer.batch_decode([r[:-1] if r and r[-1] in eos_ids else r for r in answers(out)],
                                        skip_special_tokens=reward_fn.skip_special_tokens)
         for j, text in enumerate(texts):
             row = chunk[mine[j // sampling.n]]

@@ -36,3 +36,13 @@ def test_demo_real_from_a_fresh_clone(tmp_path):
     assert "step 1/1" in proc.stdout
     assert (clone / "data" / "smollm2-135m-instruct" / "config.json").exists()
     assert (clone / "data" / "rg_arith" / "train.parquet").exists()
+
+
+@pytest.mark.slow  # ~2 minutes: SFT, then GRPO with the calculator
+def test_demo_agent_learns_the_tool(tmp_path):
+    sys.path.insert(0, ROOT)
+    from tools.demo_agent import main
+    rows = main(["--out", str(tmp_path), "--sft-steps", "400", "--rl-steps", "4"])
+    (_, acc0, rate0), (_, acc1, rate1), (_, acc2, rate2) = rows
+    assert acc0 == 0.0 and rate0 == 0.0  # a random model neither calls the tool nor answers
+    assert acc1 > 0.5 and rate1 > 0.9 and rate2 > 0.9  # SFT taught the call; RL keeps it

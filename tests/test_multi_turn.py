@@ -376,3 +376,11 @@ def test_an_environments_reward_joins_the_score_on_the_last_model_token():
     scores, extra = score_batch(rule, batch, None, True)
     assert scores.tolist() == [[0.5, 0, 0, 0, 2.0, 0], [0.5, 0, 0, 0, 0, 0]]
     assert extra["environment_reward"] == [2.0, 0.0] and extra["rule_score"] == [0.5, 0.5]
+
+
+def test_rule_rewards_read_the_last_model_turn():
+    import torch
+
+    from engine.experience.scoring import last_turn_mask
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
+    assert last_turn_mask(mask).tolist() == [[0, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0], [0] * 7]

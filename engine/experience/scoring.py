@@ -34,12 +34,23 @@ def replica_groups(rank: int, world: int, dp_rank: int):
     return replicas, mine
 
 
+def last_turn_mask(response_mask):
+    """The last run of model tokens of each row (a multi-turn trajectory's final turn)."""
+    m = response_mask.long()
+    starts = (m[:, 1:] > m[:, :-1]).long()  # 0 -> 1 steps: where a later turn begins
+    turn = torch.cat([m[:, :1], starts], dim=1).cumsum(-1)
+    return m * (turn == turn.max(dim=1, keepdim=True).values).long()
+
+
 def score_batch(reward_fn, batch, model_scores, rule_reward: bool):
     """(token_level_scores, reward extras) of this rank's samples, scored here."""
     extra_infos = list(batch["extra_info"])
     if "raw_prompt" in batch:  # data.return_raw_chat: reward functions see the prompt as written
         extra_infos = [dict(e or {}, raw_prompt=p) for e, p in zip(extra_infos, batch["raw_prompt"])]
-    scores, extra = reward_fn(batch["responses"], batch["response_mask"],
+    mask = batch["response_mask"]
+    if "multi_turn" in batch:  # rule rewards read the answer: the trajectory's last model turn
+        mask = last_turn_mask(mask)
+    scores, extra = reward_fn(batch["responses"], mask,
                               ground_truths=list(batch["ground_truth"]) if rule_reward else None,
                               data_sources=list(batch["data_source"]),
                               extra_infos=extra_infos, model_scores=model_scores)
