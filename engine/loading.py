@@ -100,6 +100,10 @@ def load_datasets(cfg, tokenizer):
     kw = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length,
               truncation=truncation_of(data), prompt_key=data.prompt_key,
               apply_chat_template=data.chat_template)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.enable and mt.tools_in_prompt:  # the tools' schemas in the prompt, as verl renders it
+        from engine.rollout.tool_actor import tools_of
+        kw["tools"] = [t.schema for t in tools_of(mt).values()]
     if data.builtin_task:
         from engine.tasks import make_builtin_task
         train_rows, val_rows, _ = make_builtin_task(data.builtin_task, seed=data.seed,

@@ -384,3 +384,20 @@ def test_rule_rewards_read_the_last_model_turn():
     from engine.experience.scoring import last_turn_mask
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
     assert last_turn_mask(mask).tolist() == [[0, 0, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0], [0] * 7]
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_the_prompt_shows_the_tools_schemas_as_verl_renders_it(shown):
+    from engine.config import load_config
+    from engine.loading import load_datasets
+    from engine.tasks import build_agent_tokenizer
+    import os
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny_cpu_demo.yaml")
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    cfg = load_config(demo, ["data.builtin_task=multiply", "data.max_prompt_length=1024", f"{mt}.enable=true",
+                             f"{mt}.tools_in_prompt={str(shown).lower()}"])
+    tok = build_agent_tokenizer()
+    train, _ = load_datasets(cfg, tok)
+    text = tok.decode(train[0]["input_ids"])
+    assert ('"name": "calculator"' in text and '"name": "python"' in text) == shown
+    assert text.endswith("<|im_start|>assistant\n")

@@ -65,7 +65,8 @@ def _step(tmp, model_dir, extra=()):
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.model.config=null", f"actor_rollout_ref.model.path={model_dir}",
-        f"{MT}.enable=true", f"{MT}.max_assistant_turns=4", f"{MT}.max_tool_response_length=24", *extra])
+        f"{MT}.enable=true", f"{MT}.max_assistant_turns=4", f"{MT}.max_tool_response_length=24",
+        f"{MT}.tools_in_prompt=false", *extra])
     set_seed(cfg.trainer.seed)
     t = Recording(*build(cfg, 2))
     generated = []
@@ -133,7 +134,7 @@ def _launch(tmp_path, name, nproc, model_dir, extra):
            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.config=null",
            f"actor_rollout_ref.model.path={model_dir}", f"{MT}.enable=true", f"{MT}.max_assistant_turns=4",
-           f"{MT}.max_tool_response_length=24", *extra]
+           f"{MT}.max_tool_response_length=24", f"{MT}.tools_in_prompt=false", *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (tmp_path / "logs" / name / "metrics.jsonl").read_text().splitlines()

@@ -245,6 +245,9 @@ class MultiTurnConfig:
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
     format: str = "hermes"  # the tool-call parser (engine/agents/parsers.py registry)
     tool_timeout_s: float = 30.0  # a call still running after this becomes an error observation
+    # the tools' schemas rendered into each prompt by the chat template (`tools=`, as verl does);
+    # false: the prompt as the data has it (a model trained on prompts without them)
+    tools_in_prompt: bool = True
 
 
 @dataclass

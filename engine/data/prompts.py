@@ -86,13 +86,15 @@ class PromptDataset:
     """Tokenized prompts with their ground truth; `dataset[i]` is a dict (see `_example`)."""
 
     def __init__(self, data, tokenizer, max_prompt_length, truncation="error", prompt_key="prompt",
-                 apply_chat_template=True):
+                 apply_chat_template=True, tools=None):
         if not isinstance(max_prompt_length, int) or max_prompt_length <= 0:
             raise ValueError(f"data.max_prompt_length={max_prompt_length!r} must be a positive integer")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.prompt_key = prompt_key
         self.use_chat_template = apply_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        # the tool schemas the chat template shows the model (multi-turn rollouts with tools)
+        self.tools = list(tools) if tools else None
         self.row_policy = RowPolicy(truncation, "prompt data row", ("data/filtered_empty_prompt",
                                                                     "data/filtered_missing_ground_truth",
                                                                     "data/filtered_overlong"))
@@ -130,7 +132,9 @@ class PromptDataset:
     def _prompt_text(self, prompt):
         if is_messages(prompt):
             if self.use_chat_template:
-                return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+                extra = {"tools": self.tools} if self.tools else {}
+                return self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+                                                          **extra)
             return "\n".join(str(m.get("content") or "") for m in prompt)
         return str(prompt)
 
