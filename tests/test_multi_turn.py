@@ -401,3 +401,50 @@ def test_the_prompt_shows_the_tools_schemas_as_verl_renders_it(shown):
     text = tok.decode(train[0]["input_ids"])
     assert ('"name": "calculator"' in text and '"name": "python"' in text) == shown
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_on_the_cpu_backend_a_slow_tool_delays_only_its_own_trajectory():
+    """The tool-happy model of the test above on the CPU backend: trajectory (prompt 0, sample 0)
+    waits 1.5 s for its first tool; meanwhile the others go on with later turns."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.rollout.cpu import CPURollout
+    from engine.rollout.tool_actor import multi_turn_generate
+
+    tok, _ = _tool_actor()
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[end, 0] = 0.8
+        model.lm_head.weight[tok.eos_token_id, 0] = -2.0
+    engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
+    engine.sync_weights([list(model.state_dict().items())])
+    log = []
+
+    class Slow:
+        timeout_s = 5.0
+
+        def act(self, trajectory, text, called):
+            log.append((time.monotonic(), trajectory.key, trajectory.sample, trajectory.turns))
+            if (trajectory.key, trajectory.sample, trajectory.turns) == (0, 0, 1):
+                time.sleep(1.5)
+            return Observation(ids=OBS, tool_calls=1) if called else Observation(done=True)
+    run_engine = multi_turn_generate(lambda e, p, s, k: e.generate(p, s, keys=k), Slow, decode=tok.decode,
+                                     end_tag=[end], limits=Limits(120, max_assistant_turns=6))
+    prompt = tok.encode("<|im_start|>user\n1*2=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    out = run_engine(engine, [prompt, prompt], SamplingParams(n=2, max_new_tokens=120, seed=3), [0, 1])
+    slow = [t for t, k, j, turn in log if (k, j, turn) == (0, 0, 1)]
+    assert slow, "the slow trajectory called its tool"
+    meanwhile = [turn for t, k, j, turn in log if (k, j) != (0, 0) and slow[0] < t < slow[0] + 1.4]
+    assert meanwhile and max(meanwhile) >= 2  # others' later turns ran while it waited
+    assert max(s["turns"] for s in out.stats) >= 3
