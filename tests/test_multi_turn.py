@@ -260,33 +260,45 @@ def test_a_hanging_tool_is_an_error_observation_within_its_timeout():
     assert "timed out" in tok.decode(obs.ids)
 
 
+def tool_happy_model(tok, end_logit=0.52, eos_logit=-0.5, max_positions=256):
+    """A tiny Llama on the agent tokenizer whose last hidden state is mostly the current token's
+    embedding, whose dim 0 every token shares: the tool-call end tag (and the eos) get a fixed
+    logit offset after any token (0.52: ~15 % likely), so sampled responses call tools."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    end = tok.convert_tokens_to_ids("</tool_call>")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         initializer_range=0.3, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[end, 0] = end_logit
+        model.lm_head.weight[tok.eos_token_id, 0] = eos_logit
+    return model, end
+
+
 def test_cpu_backend_trajectories_are_the_models_own_tokens_and_log_probs():
     """A tiny random Llama on the agent tokenizer, its tool-call end tag made likely: sampled
     trajectories of several turns with (mostly malformed) tool calls and their error
     observations. Teacher-forcing each whole trajectory through the same transformers model gives
     the rollout's log-prob at every model token (fp32), and the observations are the template's."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from engine.rollout.cpu import CPURollout
     from engine.rollout.multi_turn import Limits
     from engine.rollout.tool_actor import multi_turn_generate
 
     tok, actor = _tool_actor(max_chars=24)
-    end = tok.convert_tokens_to_ids("</tool_call>")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # the last hidden state mostly the current token's embedding, whose
-        for layer in model.model.layers:  # dim 0 every token shares: the end tag about 15 % likely
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[end, 0] = 0.52
-        model.lm_head.weight[tok.eos_token_id, 0] = -0.5  # answers rarer than calls
+    model, end = tool_happy_model(tok)
+    config = model.config
     engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
     engine.sync_weights([list(model.state_dict().items())])
     prompts = [tok.encode(f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
@@ -406,27 +418,12 @@ def test_the_prompt_shows_the_tools_schemas_as_verl_renders_it(shown):
 def test_on_the_cpu_backend_a_slow_tool_delays_only_its_own_trajectory():
     """The tool-happy model of the test above on the CPU backend: trajectory (prompt 0, sample 0)
     waits 1.5 s for its first tool; meanwhile the others go on with later turns."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from engine.rollout.cpu import CPURollout
     from engine.rollout.tool_actor import multi_turn_generate
 
     tok, _ = _tool_actor()
-    end = tok.convert_tokens_to_ids("</tool_call>")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[end, 0] = 0.8
-        model.lm_head.weight[tok.eos_token_id, 0] = -2.0
+    model, end = tool_happy_model(tok, end_logit=0.8, eos_logit=-2.0)
+    config = model.config
     engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
     engine.sync_weights([list(model.state_dict().items())])
     log = []

@@ -5,7 +5,6 @@ trajectories' model tokens, and the trainer's log-probs of model tokens equal th
 import os
 
 import pytest
-import torch
 
 from tests.multirank import run_on_ranks
 
@@ -15,30 +14,13 @@ MT = "actor_rollout_ref.rollout.multi_turn"
 
 
 def save_tool_happy_model(directory):
-    """A tiny Llama on the agent tokenizer whose tool-call end tag is ~15 % likely after any
-    token (tests/test_multi_turn.py's construction), with its tokenizer, as a HF directory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+    """tests/test_multi_turn.py's tool-happy Llama, with the agent tokenizer, as a HF directory."""
     from engine.tasks import build_agent_tokenizer
+    from tests.test_multi_turn import tool_happy_model
     tok = build_agent_tokenizer()
-    end = tok.convert_tokens_to_ids("</tool_call>")
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.3, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 10.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[end, 0] = 0.52
-        model.lm_head.weight[tok.eos_token_id, 0] = -0.5
+    model, _ = tool_happy_model(tok, max_positions=512)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
-
 
 def _step(tmp, model_dir, extra=()):
     import torch.distributed as dist
