@@ -302,3 +302,15 @@ def test_every_engine_of_a_two_node_layout_gets_its_exact_arguments(double, tmp_
     monkeypatch.setenv("RANK", "6")
     with pytest.raises(ValueError, match="needs GPU 7, but this node has 4"):
         Recorder(tp_size=2, base_gpu_id=6, model_path=path)  # the global rank as a GPU id
+
+
+def test_a_keyword_that_is_no_server_args_field_is_refused(double, tmp_path):
+    """sglang.Engine(**kwargs) builds the ServerArgs dataclass: a misspelt field (here the
+    CUDA-graph switch rollout.enforce_eager drives) fails before anything starts."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'disable_cuda_graphs'"):
+        double.Engine(model_path=tiny_model_dir(tmp_path / "m"), disable_cuda_graphs=True)
+    assert inits(double.RECORDS) == []
+    from engine.rollout.sglang import engine_kwargs
+    from sglang.srt.entrypoints.engine import check_arguments
+    check_arguments(engine_kwargs(tiny_model_dir(tmp_path / "m"), "float32", "dummy", 1, 0.5, 64, 0,
+                                  False, False, enforce_eager=True, enable_chunked_prefill=False), {})

@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+import pytest
+
 from tests.multirank import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,3 +120,17 @@ def test_vllm_through_the_trainer(tmp_path):
     # the training forward reproduces the rollout's log-probs (finite, close)
     for r in results:
         assert math.isfinite(r["diff_max"]) and r["diff_max"] < 1e-4, r["diff_max"]
+
+
+def test_a_keyword_vllm_does_not_take_is_refused():
+    """LLM(**kwargs) passes what it does not take itself to the EngineArgs dataclass: an unknown
+    name fails (vllm/entrypoints/llm.py); every name llm_kwargs sends is one the double takes."""
+    from tests.doubles import double_on_path
+    from engine.rollout.vllm import llm_kwargs
+    with double_on_path("vllm"):
+        import vllm
+        with pytest.raises(TypeError, match="unexpected keyword argument 'enforce_eagerly'"):
+            vllm.LLM(model="m", distributed_executor_backend="external_launcher", enforce_eagerly=True)
+        from engine.rollout.vllm import USED_API
+        sent = set(llm_kwargs("m", enforce_eager=True, enable_chunked_prefill=False, max_model_len=64))
+        assert sent <= set(USED_API["LLM"]["__init__"]) | set(USED_API["EngineArgs"])

@@ -4,6 +4,9 @@ It offers exactly the names engine/rollout/vllm.py uses (its USED_API; tests/tes
 checks those against the pinned wheel) and mirrors the vLLM 0.34 behaviour the adapter relies on,
 each behaviour naming the vllm source file it mirrors:
 
+- ``LLM(**kwargs)`` takes LLM's own keywords and EngineArgs fields (vllm/entrypoints/llm.py passes
+  the rest to the EngineArgs dataclass: an unknown name is a TypeError; the double knows the names
+  USED_API lists, which tests/test_vllm_contract.py checks in the wheel);
 - ``LLM(**kwargs)`` with ``distributed_executor_backend="external_launcher"``: every rank of
   torch.distributed's world builds one (vllm/distributed/parallel_state.py
   ``initialize_model_parallel`` makes every TP group collectively), TP groups are consecutive
@@ -153,6 +156,10 @@ class LLM:
         from transformers import AutoConfig
 
         from engine.rollout.cpu import CPURollout
+        from engine.rollout.vllm import USED_API
+        unknown = sorted(set(kwargs) - set(USED_API["LLM"]["__init__"]) - set(USED_API["EngineArgs"]))
+        if unknown:
+            raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {unknown[0]!r}")
         backend = kwargs.get("distributed_executor_backend")
         if backend != "external_launcher":
             raise ValueError(f"the double runs only distributed_executor_backend='external_launcher', not {backend!r}")

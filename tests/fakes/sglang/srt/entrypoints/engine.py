@@ -10,7 +10,11 @@ raises). The TP world meets where sglang/srt/distributed/bootstrap.py
 ``_resolve_dist_init_method`` says: ``tcp://<dist_init_addr>``, else ``tcp://127.0.0.1:<a free
 port>`` (sglang's ``PortArgs.nccl_port``).
 
-Refused, as the real engine fails on them (sglang/srt/arg_groups/validation_hook.py,
+Refused, as the real engine fails on them: a keyword that is no ServerArgs field (sglang.Engine
+turns its **kwargs into the ServerArgs dataclass, sglang/srt/entrypoints/engine.py: TypeError; the
+double knows the fields Trident's USED_API lists, each checked against the pinned wheel by
+tests/test_sglang_contract.py, so a name sent but not listed fails here and a listed name the wheel
+lacks fails there); (sglang/srt/arg_groups/validation_hook.py,
 torch.cuda.set_device in the scheduler, the models' ``total_num_heads % tp_size`` asserts): a
 GPU beyond this node, tp_size not split evenly over nnodes, a node_rank outside nnodes, several
 nodes without dist_init_addr, attention heads that do not divide over tp_size.
@@ -42,6 +46,10 @@ def rank_range(tp_size: int, nnodes: int, node_rank: int) -> range:
 
 
 def check_arguments(kwargs: dict, environ=os.environ) -> None:
+    from engine.rollout.sglang import USED_API
+    unknown = sorted(set(kwargs) - set(USED_API["ServerArgs"]))
+    if unknown:
+        raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {unknown[0]!r}")
     tp, nnodes, node_rank = kwargs.get("tp_size", 1), kwargs.get("nnodes", 1), kwargs.get("node_rank", 0)
     base = kwargs.get("base_gpu_id", 0)
     for key, value, low in (("tp_size", tp, 1), ("nnodes", nnodes, 1), ("base_gpu_id", base, 0),
