@@ -8,17 +8,19 @@ Tests: tests/test_e2e.py, tests/test_config_acts.py, tests/test_rollout_pool.py
 """
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 
 def answers(out):
     """What a rule reward reads of each response: the whole response, or a multi-turn
-    trajectory's last model turn (engine/rollout/multi_turn.py; training: scoring.last_turn_mask)."""
+    trajectory's last model turn (engine/rollout/multi_turn.py last_turn_mask, as in training)."""
     masks = getattr(out, "loss_masks", None)
     if not masks:
         return out.responses
-    return [[t for t, m in zip(r[s[-1]:], mask[s[-1]:]) if m] if s else []
-            for r, mask, s in zip(out.responses, masks, out.turn_starts)]
+    from engine.rollout.multi_turn import last_turn_mask
+    last = [last_turn_mask(torch.tensor([m], dtype=torch.long))[0].tolist() if m else [] for m in masks]
+    return [[t for t, keep in zip(r, mask) if keep] for r, mask in zip(out.responses, last)]
 
 
 def validate(rollout, val_data, tokenizer, reward_fn, sampling, eos_ids, batch_size=None, generate=None):

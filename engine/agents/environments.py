@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Optional
 
-import yaml
 
 from engine.agents import AgentConfigError
 from engine.agents.runner import call_with_timeout, describe_exception
-from engine.agents.user_code import load_class
+from engine.agents.user_code import config_entries, load_class
 from engine.errors import one_line
 
 
@@ -90,30 +88,10 @@ def _default_name(cls: type) -> str:
 
 def load_interactions(path: str) -> dict:
     """{name: EnvironmentSpec} from verl's interaction config YAML at `path`."""
-    where = f"interaction config {path}"
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise AgentConfigError(f"{where}: cannot be read ({e.strerror}); fix "
-                               "actor_rollout_ref.rollout.multi_turn.interaction_config_path") from e
-    except yaml.YAMLError as e:
-        raise AgentConfigError(f"{where}: not valid YAML ({one_line(e)})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("interaction"), list):
-        raise AgentConfigError(f"{where}: expected a top-level `interaction:` list of entries with "
-                               "name, class_name and config")
-    base_dir = os.path.dirname(os.path.abspath(path))
+    base_dir, entries = config_entries(path, "interaction", "interaction", ("name", "class_name", "config"),
+                                       "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
     out = {}
-    for i, entry in enumerate(data["interaction"]):
-        at = f"{where}: interaction[{i}]"
-        if not isinstance(entry, dict):
-            raise AgentConfigError(f"{at} is not a mapping; write name / class_name / config")
-        unknown = sorted(set(entry) - {"name", "class_name", "config"})
-        if unknown:
-            raise AgentConfigError(f"{at}: unknown key(s) {unknown}; use name, class_name, config")
-        config = entry.get("config") or {}
-        if not isinstance(config, dict):
-            raise AgentConfigError(f"{at}: config must be a mapping")
+    for at, entry, config in entries:
         name = entry.get("name")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise AgentConfigError(f"{at}: name must be a non-empty string")

@@ -31,12 +31,10 @@ import ast
 import inspect
 import math
 import operator
-import os
 
-import yaml
 
 from engine.agents import AgentConfigError
-from engine.agents.user_code import load_class
+from engine.agents.user_code import config_entries, load_class
 from engine.errors import one_line
 from engine.rewards import sandbox
 
@@ -233,30 +231,10 @@ def make_tool(cls: type, config: dict, tool_schema: dict | None, where: str) -> 
 
 def load_tool_config(path: str) -> dict:
     """{name: Tool} from verl's tool config YAML at `path`."""
-    where = f"tool config {path}"
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise AgentConfigError(f"{where}: cannot be read ({e.strerror}); fix "
-                               "actor_rollout_ref.rollout.multi_turn.tool_config_path") from e
-    except yaml.YAMLError as e:
-        raise AgentConfigError(f"{where}: not valid YAML ({one_line(e)})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
-        raise AgentConfigError(f"{where}: expected a top-level `tools:` list of entries with "
-                               "class_name, config and tool_schema")
-    base_dir = os.path.dirname(os.path.abspath(path))
+    base_dir, entries = config_entries(path, "tool", "tools", ("class_name", "config", "tool_schema"),
+                                       "actor_rollout_ref.rollout.multi_turn.tool_config_path")
     tools = {}
-    for i, entry in enumerate(data["tools"]):
-        at = f"{where}: tools[{i}]"
-        if not isinstance(entry, dict):
-            raise AgentConfigError(f"{at} is not a mapping; write class_name / config / tool_schema")
-        unknown = sorted(set(entry) - {"class_name", "config", "tool_schema"})
-        if unknown:
-            raise AgentConfigError(f"{at}: unknown key(s) {unknown}; use class_name, config, tool_schema")
-        config = entry.get("config") or {}
-        if not isinstance(config, dict):
-            raise AgentConfigError(f"{at}: config must be a mapping")
+    for at, entry, config in entries:
         if config.get("type", "native") != "native":
             raise AgentConfigError(f"{at}: config.type={config['type']!r}: only native tools run "
                                    "here (no MCP); write a Tool class or use a built-in")

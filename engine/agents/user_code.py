@@ -76,3 +76,35 @@ def load_class(spec: str, where: str, base_dir: str | None = None) -> type:
         raise AgentConfigError(f"{where}: class_name {spec!r}: no class {cls_name!r} there "
                                f"(classes found: {', '.join(found) or 'none'}); name one of them")
     return cls
+
+
+def config_entries(path: str, what: str, top: str, keys: tuple, config_key: str):
+    """(base_dir, [(where, entry, config)]) of verl's YAML at `path` (a tool or interaction
+    config): a top-level `top:` list of mappings with only `keys`, each `config` a mapping; every
+    problem one AgentConfigError line naming the file and the entry (`config_key`: the recipe key
+    that names the file)."""
+    import yaml
+    where = f"{what} config {path}"
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise AgentConfigError(f"{where}: cannot be read ({e.strerror}); fix {config_key}") from e
+    except yaml.YAMLError as e:
+        raise AgentConfigError(f"{where}: not valid YAML ({one_line(e)})") from e
+    listed = ", ".join(keys)
+    if not isinstance(data, dict) or not isinstance(data.get(top), list):
+        raise AgentConfigError(f"{where}: expected a top-level `{top}:` list of entries with {listed}")
+    entries = []
+    for i, entry in enumerate(data[top]):
+        at = f"{where}: {top}[{i}]"
+        if not isinstance(entry, dict):
+            raise AgentConfigError(f"{at} is not a mapping; write {' / '.join(keys)}")
+        unknown = sorted(set(entry) - set(keys))
+        if unknown:
+            raise AgentConfigError(f"{at}: unknown key(s) {unknown}; use {listed}")
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise AgentConfigError(f"{at}: config must be a mapping")
+        entries.append((at, entry, config))
+    return os.path.dirname(os.path.abspath(path)), entries

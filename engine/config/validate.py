@@ -171,7 +171,7 @@ def _validate_strategies(cfg: TridentConfig) -> None:
         models.append(("critic", cfg.critic.strategy or arr.actor.strategy, cfg.critic.megatron, True))
     models.append(("reward_model", "megatron", cfg.reward_model.megatron, False))
     for prefix, strategy, meg, trains in models:
-        m = f"{prefix}.megatron" if prefix != "actor_rollout_ref.actor" else "actor_rollout_ref.actor.megatron"
+        m = f"{prefix}.megatron"
         size = lambda name: getattr(meg, name) if getattr(meg, name) is not None else getattr(actor, name)  # noqa: E731
         if strategy == "megatron":
             for name, default in (("reshard_after_forward", True), ("forward_prefetch", False)):

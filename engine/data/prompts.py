@@ -197,31 +197,28 @@ def pad_token_id(tokenizer) -> int:
                      "to a tokenizer that has one)")
 
 
-def left_pad(sequences, pad_token_id, length=None):
-    """(input_ids [B, T], attention_mask [B, T]) with each sequence right-aligned (left padding)."""
-    length = length or max((len(s) for s in sequences), default=0)
-    input_ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq) > length:
-            raise ValueError(f"sequence {row} has {len(seq)} tokens > pad length {length}")
-        if seq:
-            input_ids[row, length - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-            attention_mask[row, length - len(seq):] = 1
-    return input_ids, attention_mask
-
-
-def right_pad(sequences, pad_token_id, length=None):
-    """(ids [B, T], mask [B, T]) with each sequence left-aligned (right padding): responses."""
+def _pad(sequences, pad_token_id, length, left):
     length = length or max((len(s) for s in sequences), default=0)
     ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for row, seq in enumerate(sequences):
         if len(seq) > length:
             raise ValueError(f"sequence {row} has {len(seq)} tokens > pad length {length}")
-        ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        mask[row, :len(seq)] = 1
+        if seq:
+            cols = slice(length - len(seq), length) if left else slice(0, len(seq))
+            ids[row, cols] = torch.as_tensor(seq, dtype=torch.long)
+            mask[row, cols] = 1
     return ids, mask
+
+
+def left_pad(sequences, pad_token_id, length=None):
+    """(input_ids [B, T], attention_mask [B, T]) with each sequence right-aligned (left padding)."""
+    return _pad(sequences, pad_token_id, length, left=True)
+
+
+def right_pad(sequences, pad_token_id, length=None):
+    """(ids [B, T], mask [B, T]) with each sequence left-aligned (right padding): responses."""
+    return _pad(sequences, pad_token_id, length, left=False)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from engine.metrics import reduce_over_dp
+from engine.rollout.multi_turn import last_turn_mask
 
 REWARD_EXTRAS = ("rule_score", "model_score", "overlong_reward", "overlong", "environment_reward")
 
@@ -32,14 +33,6 @@ def replica_groups(rank: int, world: int, dp_rank: int):
         if rank in ranks:
             mine = group
     return replicas, mine
-
-
-def last_turn_mask(response_mask):
-    """The last run of model tokens of each row (a multi-turn trajectory's final turn)."""
-    m = response_mask.long()
-    starts = (m[:, 1:] > m[:, :-1]).long()  # 0 -> 1 steps: where a later turn begins
-    turn = torch.cat([m[:, :1], starts], dim=1).cumsum(-1)
-    return m * (turn == turn.max(dim=1, keepdim=True).values).long()
 
 
 def score_batch(reward_fn, batch, model_scores, rule_reward: bool):

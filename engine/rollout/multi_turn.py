@@ -26,6 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
+import torch
+
 from engine.rollout.base import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutOutput, SamplingParams
 
 # why a trajectory ended (metrics: multi_turn/ended/<reason>)
@@ -124,7 +126,7 @@ def run(generate: Callable[[list, SamplingParams, list], RolloutOutput], prompt_
                 futures.wait(waiting, timeout=actor.timeout_s + 5.0, return_when=futures.FIRST_COMPLETED)
             for t in trajs:
                 if t.pending is not None and t.pending.done():
-                    _observe(t, _result(t.pending, actor), limits)
+                    _observe(t, _result(t.pending), limits)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     finish = {"length": FINISH_LENGTH, "abort": FINISH_ABORT}
@@ -162,7 +164,7 @@ def _model_turns(generate, ready, sampling, actor, decode, end_tag, limits, pool
             t.pending = pool.submit(actor.act, t, decode(ids), called)
 
 
-def _result(future: futures.Future, actor: Actor) -> Observation:
+def _result(future: futures.Future) -> Observation:
     try:
         return future.result(timeout=0)
     except Exception:  # noqa: BLE001 - an Actor's own bug ends the trajectory, never the run
@@ -207,3 +209,12 @@ def multi_turn_metrics(stats) -> dict:
     for ending in ENDINGS:
         out[f"multi_turn/ended/{ending}"] = sum(s["ended"] == ending for s in stats) / n
     return out
+
+
+def last_turn_mask(response_mask):
+    """The last run of model tokens of each row of a [rows, length] mask: a trajectory's final turn,
+    what a rule reward reads (engine/experience/scoring.py, engine/validation.py)."""
+    m = response_mask.long()
+    starts = (m[:, 1:] > m[:, :-1]).long()  # 0 -> 1 steps: where a later turn begins
+    turn = torch.cat([m[:, :1], starts], dim=1).cumsum(-1)
+    return m * (turn == turn.max(dim=1, keepdim=True).values).long()
