@@ -98,6 +98,57 @@ def test_a_slow_tool_does_not_delay_the_other_trajectories():
     assert [s["ended"] for s in out.stats] == ["answer"] * 3
 
 
+class AsyncScript(Script):
+    """`Script` as an engine serving concurrent requests (RolloutEngine.ASYNC_GENERATE): each
+    request takes `latency` seconds while the others proceed; the most in flight at once is kept."""
+
+    def __init__(self, turns, latency=0.01):
+        super().__init__(turns)
+        self.latency, self.in_flight, self.most = latency, 0, 0
+
+    async def agenerate(self, prompts, sampling, keys):
+        import asyncio
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(self.latency)
+        self.in_flight -= 1
+        return self(prompts, sampling, keys)
+
+
+def _run_concurrent(turns, actor, engine=None, limits=Limits(64), n=1):
+    import asyncio
+
+    from engine.rollout.multi_turn import run_concurrent
+    engine = engine or AsyncScript(turns)
+    prompts = [[r, 1, 1] for r in range(len(turns))]
+    return run_concurrent(engine.agenerate, asyncio.run, prompts, SamplingParams(n=n, max_new_tokens=64),
+                          list(range(len(prompts))), actor=actor, decode=lambda ids: " ".join(map(str, ids)),
+                          end_tag=TAG, limits=limits)
+
+
+def test_concurrent_requests_give_the_rounds_trajectories():
+    """One request per trajectory turn (SGLang's async API) gives what the batched rounds give:
+    tokens, masks, log-probs, turn starts and stats; the requests really overlap."""
+    turns = [[[5, 6, *TAG, 9], [5, *TAG], [4, 4, EOS]], [[3, *TAG], [EOS]], [[6] * 70]]
+    engine = AsyncScript(turns)
+    concurrent, rounds = _run_concurrent(turns, Tools(), engine), _run(turns, Tools())
+    for field in ("responses", "log_probs", "loss_masks", "turn_starts", "stats", "finish_reasons"):
+        assert getattr(concurrent, field) == getattr(rounds, field), field
+    assert [s["ended"] for s in concurrent.stats] == ["answer", "answer", "length"]
+    assert engine.most == 3
+
+
+def test_concurrent_requests_a_slow_tool_delays_only_its_own_trajectory():
+    turns = [[[5, *TAG], [EOS]]] + [[[5, *TAG], [5, *TAG], [6, EOS]]] * 2
+    tools = Tools(delay={0: 1.5})
+    start = time.monotonic()
+    out = _run_concurrent(turns, tools)
+    slow_done = [t for t, row, _, _ in tools.log if row == 0][-1]
+    others_done = max(t for t, row, _, called in tools.log if row in (1, 2) and not called)
+    assert others_done - start < 0.8 < 1.5 <= slow_done - start
+    assert [s["ended"] for s in out.stats] == ["answer"] * 3
+
+
 def test_an_actor_that_raises_ends_its_trajectory_not_the_run():
     turns = [[[5, *TAG], [EOS]], [[5, *TAG], [6, EOS]]]
     out = _run(turns, Tools(fail_rows={0}))

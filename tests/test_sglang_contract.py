@@ -124,6 +124,7 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
     problems += fragment_problems(src, used_api["fp8"])
     problems += fragment_problems(src, used_api["finish_reasons"])
     problems += fragment_problems(src, used_api["sharded_load"])
+    problems += fragment_problems(src, used_api["event_loop"])
     engine_strings = {n.value for n in ast.walk(src.tree(ENGINE))
                       if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     problems += [f"environment variable {k!r} is never read by the engine"

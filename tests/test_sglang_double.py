@@ -314,3 +314,65 @@ def test_a_keyword_that_is_no_server_args_field_is_refused(double, tmp_path):
     from sglang.srt.entrypoints.engine import check_arguments
     check_arguments(engine_kwargs(tiny_model_dir(tmp_path / "m"), "float32", "dummy", 1, 0.5, 64, 0,
                                   False, False, enforce_eager=True, enable_chunked_prefill=False), {})
+
+
+def test_multi_turn_drives_the_engine_through_async_generate_on_its_loop(double, tmp_path, monkeypatch):
+    """A multi-turn rollout sends each trajectory's turns to SGLang as requests of their own
+    (Engine.async_generate, awaited on Engine.loop), and gets the trajectories the batched rounds
+    get (deterministic: each request samples from its own seed); one turn per request."""
+    import torch
+
+    from engine.rollout.base import SamplingParams
+    from engine.rollout.multi_turn import Limits
+    from engine.rollout.sglang import SGLangRollout
+    from engine.rollout.tool_actor import multi_turn_generate
+    from tests.test_multi_turn import _tool_actor, tool_happy_model
+
+    tok, actor = _tool_actor(max_chars=24)
+    model, end = tool_happy_model(tok)
+    path = str(tmp_path / "m")
+    model.config.save_pretrained(path)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rollout = SGLangRollout(model.config, model_path=path, dtype="float32", eos_token_ids=[tok.eos_token_id],
+                            enable_deterministic_inference=True)
+    try:
+        rollout.begin_weight_update()
+        rollout.update_weights(list(model.state_dict().items()))
+        rollout.finish_weight_update()
+        prompts = [tok.encode(f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n",
+                              add_special_tokens=False) for a, b in ((123, 456), (7, 8))]
+        run_engine = multi_turn_generate(lambda e, p, s, k: e.generate(p, s, keys=k), lambda: actor,
+                                         decode=tok.decode, end_tag=[end], limits=Limits(120, max_assistant_turns=4))
+        sampling = SamplingParams(n=3, max_new_tokens=120, seed=5)
+        double.RECORDS.clear()
+        concurrent = run_engine(rollout, prompts, sampling, [0, 1])
+        kinds = [r["kind"] for r in double.RECORDS]
+        assert kinds.count("async_generate") == sum(s["turns"] for s in concurrent.stats) and "generate" not in kinds
+        assert all(len(r["prompts"]) == 1 for r in double.RECORDS if r["kind"] == "async_generate")
+        assert max(s["turns"] for s in concurrent.stats) >= 3
+        rollout.ASYNC_GENERATE = False  # the same rollout in batched rounds
+        rounds = run_engine(rollout, prompts, sampling, [0, 1])
+        assert concurrent.responses == rounds.responses and concurrent.loss_masks == rounds.loss_masks
+        assert torch.allclose(torch.tensor(sum(concurrent.log_probs, [])), torch.tensor(sum(rounds.log_probs, [])))
+    finally:
+        rollout.shutdown()
+
+
+def test_a_request_awaited_on_another_event_loop_is_refused(double, tmp_path):
+    """sglang's result loop runs on the loop of the engine's first request (Engine.loop for the
+    blocking calls): a request awaited on another loop would hang; the double raises instead."""
+    import asyncio
+    engine = double.Engine(model_path=tiny_model_dir(tmp_path / "m"), tp_size=1)
+    try:
+        engine.rollout.update_weights(list(__import__("transformers").AutoModelForCausalLM.from_config(
+            engine.rollout.model.config).state_dict().items()))
+        engine.rollout.finish_weight_update()
+        params = {"max_new_tokens": 2, "temperature": 1.0}
+        assert len(engine.generate(input_ids=[[1, 2]], sampling_params=params)) == 1
+        one = engine.loop.run_until_complete(engine.async_generate(input_ids=[1, 2], sampling_params=params))
+        assert isinstance(one, dict) and len(one["meta_info"]["output_token_logprobs"]) == 2
+        with pytest.raises(RuntimeError, match="Engine.loop"):
+            asyncio.run(engine.async_generate(input_ids=[[1, 2]], sampling_params=params))
+    finally:
+        engine.shutdown()

@@ -359,7 +359,8 @@ def _report(e):
                      f"(experts {m['expert_params'] / 1e9:.3f} B)  weights {_gib(m['weights'])}  "
                      f"grads {_gib(m['grads'])}  optimizer {_gib(m['optimizer'])}  "
                      f"activations {_gib(m['activations'])}"
-                     + (f"  [{m['strategy']}: sharded over DP x CP]" if m.get("strategy", "megatron") != "megatron" else ""))
+                     + (f"  [{m['strategy']}: sharded over DP x CP]"
+                        if m.get("strategy", "megatron") != "megatron" else ""))
     r = e["rollout"]
     head = (f"  rollout: {r['engines']} {r['backend']} engine(s) x {r['gpus_per_engine']} GPU(s) "
             f"(TP {r['gpus_per_engine']}), {r['nodes_per_engine']} node(s) per engine; per GPU: ")

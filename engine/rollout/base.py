@@ -142,7 +142,10 @@ class RolloutEngine(ABC):
     `update_weights_from_distributed` per bucket: engine/rollout/update_group.py); the others get
     them over the pool's bridge. Backends that set `SPMD` (vLLM's external_launcher) are built
     on every rank of a group instead, each rank's engine holding its own TP worker; every rank
-    makes every call (weights from its own copy, memory, generation) together.
+    makes every call (weights from its own copy, memory, generation) together. Backends that
+    set `ASYNC_GENERATE` serve concurrent requests (SGLang's continuous batching): a multi-turn
+    rollout drives each trajectory as its own coroutine; the others get the ready trajectories'
+    turns batched into one generate call.
     """
 
     name = "?"
@@ -151,6 +154,9 @@ class RolloutEngine(ABC):
     NEEDS_CUDA = False
     WEIGHTS_FROM_DISTRIBUTED = False
     SPMD = False  # one engine per rank of a group, all called together (engine/rollout/group.py)
+    # `async def agenerate(prompt_ids, sampling, keys)` awaited inside `run_async(coroutine)`: each
+    # multi-turn trajectory a request of its own while others wait for tools (engine/rollout/multi_turn.py)
+    ASYNC_GENERATE = False
 
     @staticmethod
     def share_bucket(named_tensors):

@@ -20,6 +20,7 @@ Tests: tests/test_multi_turn.py
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as futures
 import dataclasses
 from collections import Counter
@@ -113,14 +114,20 @@ def run(generate: Callable[[list, SamplingParams, list], RolloutOutput], prompt_
         sampling: SamplingParams, keys: Sequence[int], *, actor: Actor, decode: Callable[[list], str],
         end_tag: Sequence[int], limits: Limits, workers: int = 8) -> MultiTurnOutput:
     """`sampling.n` trajectories per prompt (prompt-major rows, like RolloutOutput), each driven
-    to its end. `generate(prompt_ids, sampling, keys)`: one engine call (n=1 per row)."""
-    trajs = [Trajectory(int(k), j, list(p)) for p, k in zip(prompt_ids, keys) for j in range(sampling.n)]
+    to its end. `generate(prompt_ids, sampling, keys)`: one engine call (n=1 per row) serving the
+    turns of every trajectory that is ready."""
+    trajs = _trajectories(prompt_ids, sampling, keys)
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multi-turn")
     try:
         while any(t.ended is None for t in trajs):
             ready = [t for t in trajs if t.ended is None and t.pending is None]
             if ready:
-                _model_turns(generate, ready, sampling, actor, decode, end_tag, limits, pool)
+                budgets = [limits.response_length - len(t.tokens) for t in ready]
+                turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
+                out = generate([t.prompt + t.tokens for t in ready], turn, [turn_key(t) for t in ready])
+                for t, budget, ids, lps, reason in zip(ready, budgets, out.responses, out.log_probs,
+                                                       out.finish_reasons):
+                    _take_turn(t, budget, ids, lps, reason, actor, decode, end_tag, limits, pool)
             else:
                 waiting = [t.pending for t in trajs if t.pending is not None]
                 futures.wait(waiting, timeout=actor.timeout_s + 5.0, return_when=futures.FIRST_COMPLETED)
@@ -129,9 +136,47 @@ def run(generate: Callable[[list, SamplingParams, list], RolloutOutput], prompt_
                     _observe(t, _result(t.pending), limits)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+    return _output(trajs, len(prompt_ids), sampling.n)
+
+
+def run_concurrent(agenerate, run_async, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                   keys: Sequence[int], *, actor: Actor, decode: Callable[[list], str], end_tag: Sequence[int],
+                   limits: Limits, workers: int = 8) -> MultiTurnOutput:
+    """`run` for an engine that serves concurrent requests (RolloutEngine.ASYNC_GENERATE): each
+    trajectory is a coroutine sending its own turns (`await agenerate([ids], sampling, [key])`)
+    and awaiting its observation from the thread pool; `run_async` runs them all on the engine's
+    event loop. A trajectory's turns and samples draw as in `run` (same keys and budgets)."""
+    trajs = _trajectories(prompt_ids, sampling, keys)
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multi-turn")
+
+    async def drive(t: Trajectory):
+        while t.ended is None:
+            budget = limits.response_length - len(t.tokens)
+            turn = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
+            out = await agenerate([t.prompt + t.tokens], turn, [turn_key(t)])
+            _take_turn(t, budget, out.responses[0], out.log_probs[0], out.finish_reasons[0], actor, decode,
+                       end_tag, limits, pool)
+            if t.pending is not None:
+                await asyncio.wait([asyncio.wrap_future(t.pending)])
+                _observe(t, _result(t.pending), limits)
+
+    async def every():
+        await asyncio.gather(*(drive(t) for t in trajs))
+    try:
+        run_async(every())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return _output(trajs, len(prompt_ids), sampling.n)
+
+
+def _trajectories(prompt_ids, sampling, keys):
+    return [Trajectory(int(k), j, list(p)) for p, k in zip(prompt_ids, keys) for j in range(sampling.n)]
+
+
+def _output(trajs, prompts: int, n: int) -> MultiTurnOutput:
     finish = {"length": FINISH_LENGTH, "abort": FINISH_ABORT}
     return MultiTurnOutput(
-        prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
+        prompt_index=[i for i in range(prompts) for _ in range(n)],
         responses=[t.tokens for t in trajs], log_probs=[t.log_probs for t in trajs],
         finish_reasons=[finish.get(t.ended, FINISH_STOP) for t in trajs],
         loss_masks=[t.mask for t in trajs], turn_starts=[t.starts for t in trajs],
@@ -140,28 +185,26 @@ def run(generate: Callable[[list, SamplingParams, list], RolloutOutput], prompt_
                for t in trajs])
 
 
-def _model_turns(generate, ready, sampling, actor, decode, end_tag, limits, pool):
-    budgets = [limits.response_length - len(t.tokens) for t in ready]
-    turn = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
-    out = generate([t.prompt + t.tokens for t in ready], turn, [turn_key(t) for t in ready])
-    for t, budget, ids, lps, reason in zip(ready, budgets, out.responses, out.log_probs, out.finish_reasons):
-        ids, lps = list(ids)[:budget], list(lps)[:budget]
-        end = cut_at(ids, end_tag)
-        called = end is not None
-        if called:  # the turn ends at the tool-call end tag: what the model sampled after it is dropped
-            ids, lps = ids[:end], lps[:end]
-        t.starts.append(len(t.tokens))
-        t.append(ids, lps, model=True)
-        if reason == FINISH_ABORT:
-            t.ended = "abort"
-        elif not called and (reason == FINISH_LENGTH or len(t.tokens) >= limits.response_length):
-            t.ended = "length"
-        elif limits.max_assistant_turns is not None and t.turns >= limits.max_assistant_turns and called:
-            t.ended = "max_assistant_turns"  # its calls would have no turn to answer them
-        elif called and limits.max_user_turns is not None and t.observations >= limits.max_user_turns:
-            t.ended = "max_user_turns"
-        else:
-            t.pending = pool.submit(actor.act, t, decode(ids), called)
+def _take_turn(t, budget, ids, lps, reason, actor, decode, end_tag, limits, pool):
+    """Append one model turn (cut at the tool-call end tag and the budget); end the trajectory or
+    submit its observation to the pool."""
+    ids, lps = list(ids)[:budget], list(lps)[:budget]
+    end = cut_at(ids, end_tag)
+    called = end is not None
+    if called:  # the turn ends at the tool-call end tag: what the model sampled after it is dropped
+        ids, lps = ids[:end], lps[:end]
+    t.starts.append(len(t.tokens))
+    t.append(ids, lps, model=True)
+    if reason == FINISH_ABORT:
+        t.ended = "abort"
+    elif not called and (reason == FINISH_LENGTH or len(t.tokens) >= limits.response_length):
+        t.ended = "length"
+    elif limits.max_assistant_turns is not None and t.turns >= limits.max_assistant_turns and called:
+        t.ended = "max_assistant_turns"  # its calls would have no turn to answer them
+    elif called and limits.max_user_turns is not None and t.observations >= limits.max_user_turns:
+        t.ended = "max_user_turns"
+    else:
+        t.pending = pool.submit(actor.act, t, decode(ids), called)
 
 
 def _result(future: futures.Future) -> Observation:

@@ -32,6 +32,7 @@ USED_API = {
     "Engine": {
         "__init__": [],  # takes **kwargs, turned into ServerArgs(**kwargs)
         "generate": ["input_ids", "sampling_params", "return_logprob", "return_routed_experts"],
+        "async_generate": ["input_ids", "sampling_params", "return_logprob", "return_routed_experts"],
         "update_weights_from_tensor": ["named_tensors", "flush_cache"],
         "init_weights_update_group": ["master_address", "master_port", "rank_offset", "world_size", "group_name",
                                       "backend"],
@@ -125,6 +126,18 @@ USED_API = {
              "register_parameter('weight_scale_inv', scale)",
              "(output_size_per_partition + block_n - 1) // block_n",
              "(input_size_per_partition + block_k - 1) // block_k"],
+    },
+    # the event loop a multi-turn rollout's concurrent requests are awaited on (run_async): the
+    # engine's blocking calls run theirs on Engine.loop, and the tokenizer manager binds its result
+    # loop to the loop of the first request it serves. "file:Class.function" -> fragments
+    "event_loop": {
+        "sglang/srt/entrypoints/engine.py:Engine.__init__": ["self.loop = self._ensure_event_loop()"],
+        "sglang/srt/entrypoints/engine.py:Engine.generate": ["self.loop.run_until_complete(generator.__anext__())"],
+        "sglang/srt/entrypoints/engine.py:Engine.async_generate": ["await generator.__anext__()"],
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.auto_create_handle_loop":
+            ["loop = get_or_create_event_loop()", "self.event_loop = loop"],
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.generate_request":
+            ["self.auto_create_handle_loop()"],
     },
     # environment read by Engine: "0" lets a multi-node engine's node_rank >= 1 return
     "env": ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"],
@@ -227,6 +240,7 @@ class SGLangRollout(RolloutEngine):
     SHARES_BUCKETS = True
     NEEDS_CUDA = True
     WEIGHTS_FROM_DISTRIBUTED = True  # in a separate pool: straight from the training rank
+    ASYNC_GENERATE = True  # agenerate / run_async: multi-turn trajectories as concurrent requests
 
     def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), model_path: Optional[str] = None,
                  dtype: str = "bfloat16", load_format: str = "dummy", tensor_model_parallel_size: int = 1,
@@ -349,6 +363,29 @@ class SGLangRollout(RolloutEngine):
     # -- generation ------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+        prompts, inputs, params = self._requests(prompt_ids, sampling, keys)
+        results = self.engine.generate(input_ids=inputs, sampling_params=params,
+                                       return_logprob=True, return_routed_experts=self.record_routing)
+        return self._output(results, prompts, sampling.n)
+
+    async def agenerate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                        keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+        """`generate` as one of many concurrent requests (a multi-turn trajectory's turn): the
+        engine's scheduler batches whatever is in flight (continuous batching), so a trajectory
+        waiting for its tools holds no slot. Await it inside `run_async`."""
+        prompts, inputs, params = self._requests(prompt_ids, sampling, keys)
+        results = await self.engine.async_generate(input_ids=inputs, sampling_params=params,
+                                                   return_logprob=True, return_routed_experts=self.record_routing)
+        return self._output(results, prompts, sampling.n)
+
+    def run_async(self, coroutine):
+        """Run `coroutine` (awaiting `agenerate`) to its end on the engine's own event loop: the
+        tokenizer manager's result loop runs on the loop of the engine's first request, which
+        the blocking calls made on `Engine.loop` (USED_API['event_loop']); a request awaited on
+        another loop would never be answered."""
+        return self.engine.loop.run_until_complete(coroutine)
+
+    def _requests(self, prompt_ids, sampling, keys):
         prompts = [list(p) for p in prompt_ids]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: prompt_ids must be a non-empty list of non-empty token id lists")
@@ -360,10 +397,11 @@ class SGLangRollout(RolloutEngine):
                       for k in keys for j in range(sampling.n)]
         else:
             inputs, params = prompts, sampling_dict(sampling, self.eos_token_ids)
-        results = self.engine.generate(input_ids=inputs, sampling_params=params,
-                                       return_logprob=True, return_routed_experts=self.record_routing)
+        return prompts, inputs, params
+
+    def _output(self, results, prompts, n) -> RolloutOutput:
         # sglang returns prompt-major order: all n samples of prompt 0, then prompt 1, ...
-        prompt_index = [i for i in range(len(prompts)) for _ in range(sampling.n)]
+        prompt_index = [i for i in range(len(prompts)) for _ in range(n)]
         parsed = [parse_result(r, len(prompts[i]), self.routing_top_k, self.routing_layers)
                   for r, i in zip(results, prompt_index)]
         aborted = [k for k, p in enumerate(parsed) if p[2] == FINISH_ABORT]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-from engine.rollout.multi_turn import Limits, Observation, run
+from engine.rollout.multi_turn import Limits, Observation, run, run_concurrent
+from parallel.cpu import suspended
 
 
 class ToolActor:
@@ -59,10 +60,15 @@ class ToolActor:
 def multi_turn_generate(engine_generate, actor_factory: Callable[[], ToolActor], *, decode, end_tag,
                         limits: Limits, workers: int = 8):
     """run_engine(engine, prompt_ids, sampling, keys) for a multi-turn run (engine_generate: the
-    single call it wraps). A fresh Actor per call: environments live for one rollout."""
+    single call it wraps). A fresh Actor per call: environments live for one rollout. An engine
+    serving concurrent requests (ASYNC_GENERATE: SGLang) gets each trajectory's turns as requests
+    of their own; the others one generate call per round of ready trajectories."""
     def run_engine(engine, prompt_ids, sampling, keys):
-        return run(lambda p, s, k: engine_generate(engine, p, s, k), prompt_ids, sampling, keys,
-                   actor=actor_factory(), decode=decode, end_tag=end_tag, limits=limits, workers=workers)
+        common = dict(actor=actor_factory(), decode=decode, end_tag=end_tag, limits=limits, workers=workers)
+        if getattr(engine, "ASYNC_GENERATE", False):
+            with suspended():  # the engine runs no Megatron code (as engine_generate)
+                return run_concurrent(engine.agenerate, engine.run_async, prompt_ids, sampling, keys, **common)
+        return run(lambda p, s, k: engine_generate(engine, p, s, k), prompt_ids, sampling, keys, **common)
     return run_engine
 
 

@@ -237,15 +237,54 @@ class Engine:
         self.rollout.resume_memory(tags)
 
     # -- generation ------------------------------------------------------------------------
+    def _bind_handle_loop(self, loop):
+        """sglang/srt/managers/tokenizer_manager.py ``auto_create_handle_loop``: the first request
+        starts the loop that reads the scheduler's results on the loop it runs on (Engine.generate
+        runs its requests on ``Engine.loop``, sglang/srt/entrypoints/engine.py); a request awaited
+        on any other loop is never answered. The double raises where sglang would hang."""
+        bound = getattr(self, "_handle_loop", None)
+        if bound is None:
+            self._handle_loop = loop
+        elif bound is not loop:
+            raise RuntimeError("async_generate awaited on an event loop that is not the one the engine's "
+                               "result loop runs on (Engine.loop): sglang would never answer it")
+
+    @property
+    def loop(self):
+        """sglang/srt/entrypoints/engine.py ``Engine.__init__``: ``self.loop = self._ensure_event_loop()``."""
+        if getattr(self, "_loop", None) is None:
+            import asyncio
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    async def async_generate(self, input_ids=None, sampling_params=None, return_logprob=False,
+                             return_routed_experts=False):
+        """sglang/srt/entrypoints/engine.py ``Engine.async_generate``: the same request as
+        ``generate`` (a batch of input_ids answers a list, one list of ids a dict), answered when
+        the scheduler has run it; requests in flight together are batched by the scheduler, so
+        each yields to the others first."""
+        import asyncio
+        self._bind_handle_loop(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [input_ids] if single else input_ids
+        params = [sampling_params] if single and isinstance(sampling_params, dict) else sampling_params
+        results = self._generate(batch, params, return_routed_experts, kind="async_generate")
+        return results[0] if single else results
+
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                  return_routed_experts=False):
+        self._bind_handle_loop(self.loop)
+        return self._generate(input_ids, sampling_params, return_routed_experts)
+
+    def _generate(self, input_ids, sampling_params, return_routed_experts, kind="generate"):
         from engine.rollout.base import FINISH_STOP
         from sglang.srt.managers.schedule_batch import fit_to_pool
         from sglang.srt.sampling.sampling_batch_info import generate
         n, out = generate(self.rollout, input_ids, sampling_params,
                           bool(self.kwargs.get("enable_deterministic_inference")), self.generator)
         sampling = SimpleNamespace(n=n)
-        _record("generate", prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n,
+        _record(kind, prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n,
                 sampling_params=sampling_params)
         results = []
         capacity = self._pool_tokens()
@@ -288,3 +327,5 @@ class Engine:
         for workers in getattr(self, "workers", {}).values():
             stop(workers)
         shutdown(self.schedulers)
+        if getattr(self, "_loop", None) is not None:
+            self._loop.close()
