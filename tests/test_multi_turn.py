@@ -276,7 +276,7 @@ def _tool_actor(timeout_s=2.0, tools=None, max_chars=None):
         from engine.agents.tools import BUILTINS
         tools = {"calculator": BUILTINS["calculator"]()}
     actor = ToolActor(ToolRunner(tools, timeout_s=timeout_s, max_response_chars=max_chars), get_parser("hermes"),
-                      lambda messages: observation_ids(tok, messages))
+                      lambda messages, ended: observation_ids(tok, messages, model_ended_with_eos=ended))
     return tok, actor
 
 
@@ -387,12 +387,26 @@ class Checker:
         return "higher", 0.0, False
 
 
-def test_an_environment_answers_the_models_answers_until_it_ends_and_rewards():
+class Opening(Checker):
+    """A Checker whose reset shows the prompt's last word back as a first user turn."""
+    seen = []
+
+    def reset(self, prompt):
+        Opening.seen.append(prompt)
+        return f"pick one ({prompt.split()[-1]})"
+
+
+class BrokenReset(Checker):
+    def reset(self, prompt):
+        raise ValueError("no board")
+
+
+def _environment_run(env_class, concurrent=False):
     from engine.agents.environments import EnvironmentRunner, EnvironmentSpec
     from engine.agents.parsers import get_parser
     from engine.agents.render import observation_ids
     from engine.agents.runner import ToolRunner
-    from engine.rollout.tool_actor import multi_turn_generate
+    from engine.rollout.tool_actor import ToolActor, multi_turn_generate
     from engine.tasks import build_agent_tokenizer
 
     tok = build_agent_tokenizer()
@@ -404,22 +418,58 @@ def test_an_environment_answers_the_models_answers_until_it_ends_and_rewards():
         return RolloutOutput(prompt_index=list(range(len(prompts))), responses=out,
                              log_probs=[[-0.1] * len(r) for r in out], finish_reasons=[FINISH_STOP] * len(out))
 
-    def render(messages):
-        return observation_ids(tok, messages, model_ended_with_eos=messages[0]["role"] == "user", eos_ids=[eos])
+    class Engine:  # the same answers as concurrent requests (SGLang's async API)
+        ASYNC_GENERATE = True
 
-    from engine.rollout.tool_actor import ToolActor
+        async def agenerate(self, prompts, sampling, keys):
+            return generate(prompts, sampling, keys)
+
+        def run_async(self, coroutine):
+            import asyncio
+            return asyncio.run(coroutine)
+
+    def render(messages, ended):
+        return observation_ids(tok, messages, model_ended_with_eos=ended, eos_ids=[eos])
+
     actor = ToolActor(ToolRunner({}, timeout_s=1.0), get_parser("hermes"), render,
-                      environments=EnvironmentSpec("checker", Checker).make, env_runner=EnvironmentRunner(1.0),
-                      decode_prompt=tok.decode)
+                      environments=EnvironmentSpec("checker", env_class).make, env_runner=EnvironmentRunner(1.0),
+                      decode_prompt=lambda ids: tok.decode(ids, skip_special_tokens=True))
     run_engine = multi_turn_generate(lambda e, p, s, k: generate(p, s, k), lambda: actor, decode=tok.decode,
-                                     end_tag=tok.encode("</tool_call>", add_special_tokens=False), limits=Limits(64))
+                                     end_tag=tok.encode("</tool_call>", add_special_tokens=False), limits=Limits(256))
     prompt = tok.encode("<|im_start|>user\nguess<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    out = run_engine(None, [prompt], SamplingParams(max_new_tokens=64), [0])
+    out = run_engine(Engine() if concurrent else None, [prompt], SamplingParams(max_new_tokens=64), [0])
+    return tok, out
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_an_environment_answers_the_models_answers_until_it_ends_and_rewards(concurrent):
+    tok, out = _environment_run(Checker, concurrent)
     text = tok.decode(out.responses[0])
     assert text == "41<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n42<|im_end|>"
     assert out.stats[0]["ended"] == "env_done" and out.stats[0]["reward"] == 1.0 and out.stats[0]["turns"] == 2
     model = [t for t, m in zip(out.responses[0], out.loss_masks[0]) if m]
     assert tok.decode(model) == "41<|im_end|>42<|im_end|>"
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_an_environments_reset_observation_opens_the_trajectory(concurrent):
+    """reset(prompt) -> a first user turn before the model's first turn (the prompt's open
+    assistant turn closed), masked out; the environment saw the prompt's text."""
+    Opening.seen.clear()
+    tok, out = _environment_run(Opening, concurrent)
+    text = tok.decode(out.responses[0])
+    opening = "<|im_end|>\n<|im_start|>user\npick one (assistant)<|im_end|>\n<|im_start|>assistant\n"
+    assert text == opening + "41<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n42<|im_end|>"
+    assert Opening.seen == ["user\nguess\nassistant\n"]
+    first = out.turn_starts[0][0]
+    assert tok.decode(out.responses[0][:first]) == opening and not any(out.loss_masks[0][:first])
+    assert out.stats[0]["observations"] == 2 and out.stats[0]["turns"] == 2
+
+
+def test_an_environment_whose_reset_fails_ends_before_any_model_turn():
+    tok, out = _environment_run(BrokenReset)
+    assert out.stats[0]["turns"] == 0 and out.stats[0]["ended"] == "env_done" and not any(out.loss_masks[0])
+    assert "Error: environment BrokenReset reset failed: ValueError: no board" in tok.decode(out.responses[0])
 
 
 def test_an_environments_reward_joins_the_score_on_the_last_model_token():

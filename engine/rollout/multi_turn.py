@@ -52,6 +52,9 @@ class Actor(Protocol):
     """Answers a model turn (engine/agents builds one from the tools / environment config)."""
     timeout_s: float
 
+    def start(self, trajectory: "Trajectory") -> Observation:
+        """Before the first turn: an environment's first observation (ids None: none)."""
+
     def act(self, trajectory: "Trajectory", text: str, called: bool) -> Observation:
         """`text`: the turn decoded; `called`: it ended at the tool-call end tag."""
 
@@ -119,6 +122,7 @@ def run(generate: Callable[[list, SamplingParams, list], RolloutOutput], prompt_
     trajs = _trajectories(prompt_ids, sampling, keys)
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multi-turn")
     try:
+        _start(trajs, actor, pool)
         while any(t.ended is None for t in trajs):
             ready = [t for t in trajs if t.ended is None and t.pending is None]
             if ready:
@@ -150,6 +154,9 @@ def run_concurrent(agenerate, run_async, prompt_ids: Sequence[Sequence[int]], sa
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="multi-turn")
 
     async def drive(t: Trajectory):
+        if t.pending is not None:  # the environment's reset
+            await asyncio.wait([asyncio.wrap_future(t.pending)])
+            _observe(t, _result(t.pending), limits)
         while t.ended is None:
             budget = limits.response_length - len(t.tokens)
             turn = dataclasses.replace(sampling, n=1, max_new_tokens=budget)
@@ -163,10 +170,18 @@ def run_concurrent(agenerate, run_async, prompt_ids: Sequence[Sequence[int]], sa
     async def every():
         await asyncio.gather(*(drive(t) for t in trajs))
     try:
+        _start(trajs, actor, pool)
         run_async(every())
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return _output(trajs, len(prompt_ids), sampling.n)
+
+
+def _start(trajs, actor, pool):
+    """Each trajectory's first observation (an environment's reset), computed in the pool."""
+    if callable(getattr(actor, "start", None)):
+        for t in trajs:
+            t.pending = pool.submit(actor.start, t)
 
 
 def _trajectories(prompt_ids, sampling, keys):
@@ -227,7 +242,7 @@ def _observe(t: Trajectory, obs: Observation, limits: Limits):
             return
     if obs.done:
         t.ended = "env_done" if obs.by_environment else "answer"
-    elif not obs.ids:
+    elif not obs.ids and t.turns:  # (before the first turn: an environment with nothing to say)
         t.ended = "answer"
     elif limits.max_assistant_turns is not None and t.turns >= limits.max_assistant_turns:
         t.ended = "max_assistant_turns"

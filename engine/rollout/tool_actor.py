@@ -22,9 +22,10 @@ from parallel.cpu import suspended
 class ToolActor:
     def __init__(self, runner, parser, render: Callable[[list], list], environments=None,
                  env_runner=None, decode_prompt: Optional[Callable[[list], str]] = None):
-        """`render(messages) -> ids`: tool / user messages as the chat template appends them
-        (with the next assistant header); `environments`: a factory of one environment per
-        trajectory (None: an answer ends the trajectory)."""
+        """`render(messages, model_ended_with_eos) -> ids`: tool / user messages as the chat
+        template appends them (with the next assistant header) after a model turn that ended at
+        the tool-call end tag or before any turn (False) or at an eos (True); `environments`: a
+        factory of one environment per trajectory (None: an answer ends the trajectory)."""
         self.runner, self.parser, self.render = runner, parser, render
         self.environments, self.env_runner = environments, env_runner
         self.decode_prompt = decode_prompt
@@ -37,24 +38,32 @@ class ToolActor:
             handle = self.runner.submit(turn.calls, turn.errors)
             results = self.runner.results(handle)
             c = handle.counters
-            return Observation(ids=self.render([{"role": "tool", "content": r} for r in results]),
+            return Observation(ids=self.render([{"role": "tool", "content": r} for r in results], False),
                                tool_calls=c.calls, tool_errors=c.errors, tool_timeouts=c.timeouts)
         if self.environments is None:
             return Observation(done=True)
         env = self._environment(trajectory)
         result = self.env_runner.step(env, text)
-        ids = self.render([{"role": "user", "content": result.observation}]) if result.observation else None
+        ids = self.render([{"role": "user", "content": result.observation}], True) if result.observation else None
         return Observation(ids=ids, done=bool(result.done), by_environment=True, reward=float(result.reward))
 
-    def _environment(self, trajectory):
-        key = (trajectory.key, trajectory.sample)
+    def start(self, trajectory) -> Observation:
+        """Before the first model turn: the environment's `reset(prompt)` observation as a user
+        turn (the prompt's empty assistant turn closed first), or nothing. A reset that fails
+        ends the trajectory with its error observation (the model never acts on a broken one)."""
+        if self.environments is None:
+            return Observation()
+        env = self.environments()
+        prompt = self.decode_prompt(trajectory.prompt) if self.decode_prompt else ""
+        result = self.env_runner.reset(env, prompt)
         with self._lock:
-            if key not in self._envs:
-                env = self.environments()
-                prompt = self.decode_prompt(trajectory.prompt) if self.decode_prompt else ""
-                self.env_runner.reset(env, prompt)
-                self._envs[key] = env
-            return self._envs[key]
+            self._envs[(trajectory.key, trajectory.sample)] = env
+        ids = self.render([{"role": "user", "content": result.observation}], False) if result.observation else None
+        return Observation(ids=ids, done=bool(result.done), by_environment=True)
+
+    def _environment(self, trajectory):
+        with self._lock:
+            return self._envs[(trajectory.key, trajectory.sample)]
 
 
 def multi_turn_generate(engine_generate, actor_factory: Callable[[], ToolActor], *, decode, end_tag,
@@ -97,9 +106,8 @@ def from_config(mt, tokenizer, response_length: int, eos_ids, engine_generate):
                                f"({', '.join(sorted(specs))}); keep one")
     spec = next(iter(specs.values()), None)
 
-    def render(messages):
-        ended_by_model = messages[0]["role"] == "user"  # an environment turn follows an answer (eos)
-        return observation_ids(tokenizer, messages, tools=schemas, model_ended_with_eos=ended_by_model,
+    def render(messages, model_ended_with_eos):
+        return observation_ids(tokenizer, messages, tools=schemas, model_ended_with_eos=model_ended_with_eos,
                                eos_ids=eos_ids)
 
     def actor():
