@@ -23,7 +23,11 @@ def save_tool_happy_model(directory):
     tok.save_pretrained(directory)
 
 def _step(tmp, model_dir, extra=()):
+    import sys
+
     import torch.distributed as dist
+    if "actor_rollout_ref.rollout.name=sglang" in extra:  # the SGLang double (tests/fakes) as sglang
+        sys.path.insert(0, os.path.join(ROOT, "tests", "fakes"))
 
     from engine.config import load_config
     from engine.train import build
@@ -63,12 +67,21 @@ def _step(tmp, model_dir, extra=()):
     metrics = t.train_step(t.loader.next_batch())
     t.colocated.to_training()
     t.rollout.shutdown()
-    return dict(seen=t.seen, generated=generated, metrics=metrics)
+    records = sys.modules["sglang"].RECORDS if "sglang" in sys.modules else []
+    return dict(seen=t.seen, generated=generated, metrics=metrics,
+                async_requests=sum(r["kind"] == "async_generate" for r in records))
 
 
-def test_the_trainer_trains_on_the_generated_trajectories(tmp_path):
+@pytest.mark.parametrize("backend", [
+    "cpu",
+    # ~20 s: the colocated SGLang double, each trajectory's turns through Engine.async_generate (the
+    # adapter's async path itself: tests/test_sglang_double.py, fast)
+    pytest.param("sglang", marks=pytest.mark.slow)])
+def test_the_trainer_trains_on_the_generated_trajectories(tmp_path, backend):
     save_tool_happy_model(tmp_path / "model")
-    ranks = run_on_ranks(_step, 2, str(tmp_path), str(tmp_path / "model"))
+    extra = (f"actor_rollout_ref.rollout.name={backend}",) + (
+        ("actor_rollout_ref.rollout.deterministic=true",) if backend == "sglang" else ())
+    ranks = run_on_ranks(_step, 2, str(tmp_path), str(tmp_path / "model"), extra)
     generated = {tuple(r): (tuple(p), m) for rank in ranks for p, r, m in rank["generated"]}
     assert len(generated) == 8  # 4 prompts x 2 trajectories, made by the group leaders
     several = 0
@@ -86,6 +99,9 @@ def test_the_trainer_trains_on_the_generated_trajectories(tmp_path):
         assert (seen["response_mask"].bool() & ~valid).sum() == 0
         assert rank["metrics"]["num_turns/max"] >= 3
     assert several >= 1
+    if backend == "sglang":  # every turn was a request of its own on the engine's loop
+        turns = sum(s["turns"] for rank in ranks for s in rank["seen"]["stats"])
+        assert sum(rank["async_requests"] for rank in ranks) == turns > 0
 
 
 @pytest.mark.slow  # ~45 s; the fast sibling above runs rollout TP 1 (2 groups)
