@@ -6,6 +6,7 @@ Tests: tests/test_bad_inputs.py, tests/test_sglang_double.py, tests/test_e2e.py
 """
 import os
 
+from engine.algorithms.correction import plan_of
 from engine.config import ConfigError
 
 
@@ -114,7 +115,7 @@ def load_datasets(cfg, tokenizer):
         train = LoggedDataset(data.offline_path, n=cfg.actor_rollout_ref.rollout.n,
                               response_length=cfg.actor_rollout_ref.rollout.response_length
                               or data.max_response_length,
-                              need_log_probs=cfg.algorithm.rollout_correction.rollout_is is not None, **kw)
+                              need_log_probs=plan_of(cfg.algorithm.rollout_correction).active, **kw)
         val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
         return train, val
     train = PromptDataset(list(data.train_files), **kw)

@@ -444,21 +444,3 @@ def peak_memory_gb():
         key = "perf/cpu_peak_rss_gb"
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {key: float(t)}
-
-
-def rollout_probs_diff_metrics(old_log_probs, rollout_log_probs, response_mask, group):
-    """training/rollout_probs_diff_{max,mean}: |p_train - p_rollout| over the response tokens of
-    the data-parallel batch (`group`); make gpu-check's GRPO run requires the max below a bound
-    (tools/gpu_report.py)."""
-    import torch
-    import torch.distributed as dist
-
-    from engine.algorithms.correction import probs_diff_sums
-    worst, total, count = probs_diff_sums(old_log_probs, rollout_log_probs, response_mask)
-    peak = torch.tensor([worst], dtype=torch.float64)
-    sums = torch.tensor([total, count], dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(sums, group=group)
-    return {"training/rollout_probs_diff_max": float(peak),
-            "training/rollout_probs_diff_mean": float(sums[0] / sums[1].clamp(min=1))}
-

@@ -22,6 +22,7 @@ from megatron.core import parallel_state as ps
 
 from engine.algorithms.advantages import compute_advantage
 from engine.algorithms.kl import KLGuard, make_kl_controller
+from engine.algorithms.correction import loss_batch, mismatch_metrics
 from engine.algorithms.losses import apply_kl_penalty
 from engine.data import PromptLoader
 from engine.experience.context import StepContext
@@ -32,7 +33,7 @@ from engine.guards import StepGuard
 from engine.loop import Loop
 from engine.rollout.colocated import HybridEngine
 from engine.metrics import (Timer, compute_data_metrics, compute_throughput_metrics,
-                            peak_memory_gb, reduce_over_dp, rollout_probs_diff_metrics)
+                            peak_memory_gb, reduce_over_dp)
 from engine.rollout.multi_turn import multi_turn_metrics
 from engine.perf import CommTimer, model_flops_params, step_flops
 from engine.validation import validate, validate_from
@@ -169,7 +170,8 @@ class Trainer(Loop):
             if finite:
                 with ctx.phase("update_actor"):
                     metrics.update(self.actor.update_policy(
-                        batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                        loss_batch(batch, batch["policy_keep"]) if "policy_keep" in batch else batch,
+                        temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                         kl_coef=self.kl_loss_coef, **self.derived.actor.update.kwargs()))
                 steps = self.derived.actor.ppo_epochs * self.derived.actor.mini_batches_per_epoch
                 metrics["train/applied_update"] = float(metrics["actor/skipped_updates"] < steps)
@@ -190,7 +192,7 @@ class Trainer(Loop):
 
     def old_log_prob_pass(self, batch):
         """The actor's log-probs of the responses before the update (and the exact in-reward KL
-        from the reference's hidden states); the rollout-vs-training probability gap."""
+        from the reference's hidden states); the rollout-vs-training mismatch metrics."""
         with self.ctx.phase("old_log_prob"):
             out = self.actor.forward_outputs(
                 batch, temperature=self.cfg.actor_rollout_ref.rollout.temperature,
@@ -200,8 +202,8 @@ class Trainer(Loop):
                 batch["old_full_kl"] = out["full_kl"]
         if "rollout_log_probs" not in batch:
             return {}
-        return rollout_probs_diff_metrics(batch["old_log_probs"], batch["rollout_log_probs"],
-                                          batch["response_mask"], ps.get_data_parallel_group())
+        return mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"],
+                                batch["response_mask"], ps.get_data_parallel_group())
 
     def compute_rewards(self, batch):
         """token_level_rewards = scores, minus the in-reward KL penalty when configured."""

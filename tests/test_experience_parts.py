@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.algorithms.correction import correction_metrics, rollout_is_weights, score_weights
+from engine.algorithms.correction import CorrectionPlan, rollout_correction, score_weights
 from engine.config import ConfigError, load_config
 from engine.experience.dynamic_sampling import informative_groups, reshard_plan
 from engine.experience.replay import ReplayBuffer, pf_select
@@ -20,21 +20,22 @@ def test_truncated_is_weights_follow_the_formula():
     g = torch.Generator().manual_seed(0)
     old, mu = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
-    w, sums = rollout_is_weights(old, mu, mask, "token", 1.5)
+    w, keep, m = rollout_correction(old, mu, mask, CorrectionPlan(is_level="token", is_upper=1.5))
     for i, j in itertools.product(range(3), range(5)):
         want = min(math.exp(old[i, j] - mu[i, j]), 1.5) if mask[i, j] else 0.0
         assert float(w[i, j]) == pytest.approx(want, rel=1e-6)
+    assert torch.equal(keep, mask.bool())  # no rejection configured: every token trains
     ratios = [math.exp(old[i, j] - mu[i, j]) for i, j in itertools.product(range(3), range(5)) if mask[i, j]]
-    m = correction_metrics(sums)
     assert m["rollout_corr/ratio_mean"] == pytest.approx(sum(ratios) / len(ratios))
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(sum(r > 1.5 for r in ratios) / 8)
-    w, sums = rollout_is_weights(old, mu, mask, "sequence", 1.5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    w, _, m = rollout_correction(old, mu, mask, CorrectionPlan(is_level="sequence", is_upper=1.5))
     for i in range(2):  # the empty row counts for nothing
         seq = math.exp(sum(float(old[i, j] - mu[i, j]) for j in range(5) if mask[i, j]))
         assert w[i][mask[i].bool()].tolist() == pytest.approx([min(seq, 1.5)] * int(mask[i].sum()), rel=1e-6)
-    assert sums["count"] == 2 and float(w[2].abs().sum()) == 0.0
-    with pytest.raises(ValueError, match="rollout_is='tok'"):
-        rollout_is_weights(old, mu, mask, "tok", 2.0)
+    assert float(w[2].abs().sum()) == 0.0
+    seqs = [math.exp(sum(float(old[i, j] - mu[i, j]) for j in range(5) if mask[i, j])) for i in range(2)]
+    assert m["rollout_corr/ratio_mean"] == pytest.approx(sum(seqs) / 2, rel=1e-6)
 
 
 def test_pf_ppo_weights_have_mean_one():

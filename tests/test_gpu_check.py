@@ -166,14 +166,14 @@ def test_grpo_step_runs_under_torchrun_with_the_sglang_double_on_cpu(tmp_path):
 
 def test_probs_diff_is_the_largest_masked_probability_gap():
     """training/rollout_probs_diff_*: |p_train - p_rollout| per response token, padding left out."""
-    from engine.algorithms.correction import probs_diff_sums
+    from engine.algorithms.correction import mismatch_metrics
 
     p_train = torch_tensor([[0.5, 0.9, 0.2], [0.3, 0.1, 0.99]])
     p_roll = torch_tensor([[0.4, 0.6, 0.2], [0.3, 0.15, 0.01]])
     mask = torch_tensor([[1, 1, 1], [1, 1, 0]])  # the 0.98 gap is padding
-    worst, total, count = probs_diff_sums(p_train.log(), p_roll.log(), mask)
-    assert worst == pytest.approx(0.3) and count == 5
-    assert total == pytest.approx(0.1 + 0.3 + 0.0 + 0.0 + 0.05)
+    m = mismatch_metrics(p_train.log(), p_roll.log(), mask)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.3)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx((0.1 + 0.3 + 0.0 + 0.0 + 0.05) / 5)
 
 
 def torch_tensor(rows):

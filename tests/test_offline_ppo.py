@@ -2,7 +2,8 @@
 gloo ranks, against the on-policy path: the step's responses are logged with the current
 policy's own log-probs as the behaviour policy's, and the offline step then makes the same
 update bit for bit; with another behaviour policy the truncated IS weights are capped at
-rollout_is_threshold and enter the policy loss (its value checked against the formula)."""
+rollout_is_threshold and enter the policy loss (its value checked against the formula); with
+IcePop's band the tokens outside it leave the loss."""
 import math
 import os
 
@@ -153,6 +154,55 @@ def test_another_behaviour_policy_is_truncated_at_the_threshold(logged):
     assert online[0]["metrics"]["actor/pg_loss"] == pytest.approx(float(-adv[mask].sum() / n), abs=1e-6)
     assert m["actor/pg_loss"] == pytest.approx(float(-(adv * weight)[mask].sum() / n), abs=1e-6)
     assert m["actor/pg_loss"] != pytest.approx(online[0]["metrics"]["actor/pg_loss"], abs=1e-4)
+
+
+def _offline_two_steps(tmp, path, *extra):
+    t = _trainer([f"data.offline_path={path}", "data.builtin_task=null", "data.shuffle=false",
+                  f"actor_rollout_ref.model.tokenizer_path={tmp}/tok", *extra], tmp)
+    metrics, weights = [], [_weights(t)]
+    for _ in range(2):
+        metrics.append(t.train_step(t.loader.next_batch()))
+        weights.append(_weights(t))
+    return dict(weights=weights, metrics=metrics)
+
+
+def test_icepop_masks_the_tokens_outside_its_band_and_trains(logged):
+    """IcePop (token IS + token rejection, band [0.5, 2]) on the shifted log, 2 steps of the tiny
+    demo: the even positions (ratio e^1.5) leave the loss, the odd ones (e^0.25) train with
+    weight e^0.25; the policy loss, the masked fractions and the mismatch metrics are their
+    formulas over both ranks' tokens."""
+    tmp, online = logged
+    run_on_ranks(_shifted, 2, str(tmp))
+    runs = run_on_ranks(_offline_two_steps, 2, str(tmp), f"{tmp}/shifted.parquet",
+                        "algorithm.rollout_correction.rollout_is=token",
+                        "algorithm.rollout_correction.rollout_is_threshold=5.0",
+                        "algorithm.rollout_correction.rollout_rs=token",
+                        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0")
+    mask = torch.cat([r["mask"] for r in online]).bool()
+    adv = torch.cat([r["advantages"] for r in online]).double()
+    old = torch.cat([r["old"] for r in online]).double()
+    even = torch.zeros_like(mask)
+    even[:, 0::2] = True
+    shift = torch.where(even, torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64))
+    kept = mask & ~even
+    n = mask.sum()
+    m = runs[0]["metrics"][0]
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(float((mask & even).sum() / n))
+    assert m["rollout_corr/rollout_rs_seq_masked_fraction"] == 1.0  # every row has position 0
+    assert m["rollout_corr/rollout_token_veto_fraction"] == 0.0
+    assert m["rollout_corr/mismatch_kl"] == pytest.approx(float(-shift[mask].sum() / n), rel=1e-5)
+    diff = (old.exp() - (old - shift).exp()).abs()[mask]
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(float(diff.mean()), rel=1e-4)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(float(diff.std()), rel=1e-3)
+    # one mini-batch at pi / pi_old = 1: the token mean over the kept tokens of -A x e^0.25
+    want = float(-(adv * math.exp(0.25))[kept].sum() / kept.sum())
+    assert m["actor/pg_loss"] == pytest.approx(want, abs=1e-6)
+    assert m["actor/pg_loss"] != pytest.approx(float(-(adv * math.exp(0.25))[mask & ~even].sum() / n), abs=1e-4)
+    for r in runs:  # it trains: both steps move the weights, and the second logs the metrics too
+        w0, w1, w2 = r["weights"]
+        assert any(not torch.equal(w0[k], w1[k]) for k in w0) and any(not torch.equal(w1[k], w2[k]) for k in w1)
+        assert all(math.isfinite(r["metrics"][1][k]) for k in ("actor/pg_loss", "rollout_corr/mismatch_kl",
+                                                               "rollout_corr/rollout_rs_masked_fraction"))
 
 
 def _offline_steps(tmp, path, *extra):

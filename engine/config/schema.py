@@ -12,6 +12,7 @@ from engine.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from engine.errors import UserError
 from engine.metrics import LOGGERS
 from engine.algorithms.pair_losses import DPO_LOSSES
+from engine.config.rollout_correction import RolloutCorrectionConfig
 from engine.rollout.registry import backend_names
 from engine.tasks import BuiltinTask
 from kernels.kl import KL_KINDS
@@ -53,7 +54,6 @@ ResumeMode = Literal["auto", "disable", "resume_path"]
 Task = Literal["ppo", "reward_model", "dpo", "sft"]  # what a recipe trains (engine/offline: the others)
 DpoLossType = Literal[tuple(DPO_LOSSES)]
 TokenLevel = Literal["margin", "implicit"]  # reward_model.token_level (null: score on the last token)
-RolloutIs = Literal["token", "sequence"]  # algorithm.rollout_correction.rollout_is (null: off)
 ReplayFilter = Literal["best", "best_worst", "reweight"]  # PF-PPO policy filtration (engine/experience/replay.py)
 
 # Estimators that compare responses within a group of n samples per prompt / need a critic.
@@ -380,16 +380,6 @@ class DpoConfig:
     # true: the data's ref_chosen_logps / ref_rejected_logps columns (summed log-probs of the
     # responses under the reference) replace the reference model, which is then not built
     precomputed_ref_log_probs: bool = False
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """verl's truncated importance sampling against the policy that produced the responses
-    (`rollout_log_probs`: the rollout engine's, logged ones, or a replayed batch's):
-    w = min(pi_old / pi_behaviour, rollout_is_threshold) per token or per sequence, multiplying
-    the policy-gradient term (engine/algorithms/correction.py)."""
-    rollout_is: Optional[RolloutIs] = None  # null: off
-    rollout_is_threshold: float = 2.0
 
 
 @dataclass

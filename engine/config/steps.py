@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.algorithms.kl import KL_KINDS
+from engine.algorithms.correction import plan_of
 from engine.config.checks import fail
 from engine.config.schema import TridentConfig
 
@@ -38,7 +39,7 @@ class StepFlags:
 def needs_old_log_probs(cfg: TridentConfig) -> bool:
     """Whether the step's experience needs its own old-log-prob pass (see StepFlags)."""
     replay = cfg.algorithm.replay
-    return cfg.algorithm.rollout_correction.rollout_is is not None or (replay.enable and replay.ratio > 0)
+    return plan_of(cfg.algorithm.rollout_correction).active or (replay.enable and replay.ratio > 0)
 
 
 def step_flags(cfg: TridentConfig, actor_plan) -> StepFlags:

@@ -1,12 +1,14 @@
 """Validation of where a PPO step's experience comes from and how it is weighed: logged
-responses (data.offline_path), token-level model rewards, truncated IS (rollout_correction),
+responses (data.offline_path), token-level model rewards, rollout correction (IS, rejection, veto),
 replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each.
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py
+Tests: tests/test_experience_parts.py, tests/test_rollout_correction.py, tests/test_replay_dynamic.py,
+tests/test_token_rewards.py
 """
 from __future__ import annotations
 
-from engine.config.schema import FilterGroupsConfig, ReplayConfig, TridentConfig
+from engine.algorithms.correction import plan_of
+from engine.config.schema import ConfigError, FilterGroupsConfig, ReplayConfig, TridentConfig
 from engine.config.checks import check_range, fail
 
 
@@ -14,7 +16,10 @@ def validate_experience(cfg: TridentConfig) -> None:
     _offline_source(cfg)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction
-    check_range(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
+    try:
+        plan_of(rc)
+    except ValueError as e:  # its messages name the key, the value and the fix
+        raise ConfigError(str(e)) from None
     _replay(cfg)
     _filter_groups(cfg)
     if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience/pool.py) replaces these
@@ -27,7 +32,8 @@ def validate_experience(cfg: TridentConfig) -> None:
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
-                          ("algorithm.rollout_correction.rollout_is", rc.rollout_is is not None),
+                          *((f"algorithm.rollout_correction.{k}", getattr(rc, k) is not None)
+                            for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")),
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
                           ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable),
                           ("trainer.balance_batch", cfg.trainer.balance_batch)):

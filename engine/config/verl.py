@@ -59,6 +59,7 @@ FSDP_SECTIONS = {
     "reward_model.model": ("reward_model.megatron", False),
 }
 ROLLOUT = "actor_rollout_ref.rollout"
+CORRECTION = "algorithm.rollout_correction"
 # the reward model's scoring runs on Megatron-core's layout only
 RM_STRATEGY = VerlKey(same=("megatron",), fix="the reward model scores with Megatron-core's layout "
                       "(reward_model.megatron.*; it shares the actor's parallel sizes); remove it or set megatron")
@@ -125,6 +126,18 @@ KEYS: dict[str, VerlKey] = {
         same=(None,), note="each engine's context is prompt_length + response_length, as null asks",
         fix=f"each engine's context is {ROLLOUT}.prompt_length + response_length (data.max_prompt_length + "
             "max_response_length by default); remove it and set those"),
+    # verl's rollout-correction switches that pick another loss or skip the old-log-prob pass
+    f"{CORRECTION}.bypass_mode": VerlKey(
+        same=(False,), note="the old log-probs are recomputed by the actor (decoupled mode), as false asks",
+        fix="the old log-probs are always recomputed here (decoupled mode: the correction weighs "
+            "pi_old / pi_rollout); remove it"),
+    f"{CORRECTION}.use_policy_gradient": VerlKey(
+        same=(False,), note="PPO's clipped loss trains, as false asks",
+        fix="PPO's clipped loss trains (actor_rollout_ref.actor.policy_loss picks another); remove it"),
+    f"{CORRECTION}.loss_type": VerlKey(
+        same=("ppo_clip",), note="PPO's clipped loss trains, as ppo_clip asks",
+        fix="read by verl in bypass mode only, which is not here; PPO's clipped loss trains "
+            "(actor_rollout_ref.actor.policy_loss picks another); remove it"),
     "trainer.critic_warmup": VerlKey(
         same=(0,), note="the actor trains from the first step, as 0 asks",
         fix="no critic-only warm-up steps yet: the actor trains from the first step; remove it (or start "

@@ -45,9 +45,9 @@ class LoggedDataset(PromptDataset):
             groups[key].append((i, row))
         self.has_log_probs = any(row.get(LOG_PROB_COLUMN) is not None for row in rows)
         if need_log_probs and not self.has_log_probs:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is is set but data.offline_path={path!r} "
+            raise ValueError(f"algorithm.rollout_correction is set but data.offline_path={path!r} "
                              f"has no {LOG_PROB_COLUMN!r} column (the behaviour policy's token log-probs); "
-                             "log them, or set rollout_is=null")
+                             "log them, or set its rollout_is / rollout_rs / rollout_token_veto_threshold to null")
         prompt_rows = []
         for key in order:
             first = groups[key][0][1]

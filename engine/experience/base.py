@@ -10,7 +10,8 @@ A source gets the StepContext (engine/experience/context.py), never the trainer:
     prepare(ctx, prompts)        runs when the loader makes a batch, in its prefetch thread with
                                  data.dataloader_num_workers > 0
     after_advantages(ctx, batch) may weigh the advantages (truncated IS against the behaviour
-                                 policy, PF-PPO's reweighting); returns metrics
+                                 policy, PF-PPO's reweighting) and leave tokens out of the policy
+                                 update (rejection sampling, veto: `policy_keep`); returns metrics
     loader_state(ctx)            where the data stands for the steps trained so far
     state_dict() / load_state_dict(state)   the source's own trainer state (a replay buffer)
 
@@ -19,16 +20,14 @@ replay.Replay (wraps any of them); sources.build_experience picks one from the c
 
 Tests: tests/test_experience_parts.py, tests/test_trainer_paths.py
 """
-import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.algorithms.correction import correction_metrics, rollout_is_weights
+from engine.algorithms.correction import dp_sum, plan_of, rollout_correction
 
 
 class Source:
     def __init__(self, cfg):
-        self.correction = cfg.algorithm.rollout_correction
+        self.correction = plan_of(cfg.algorithm.rollout_correction)
 
     def prompts(self, ctx):
         """The next step's prompts."""
@@ -45,16 +44,20 @@ class Source:
         pass
 
     def after_advantages(self, ctx, batch):
-        """Truncated IS (algorithm.rollout_correction): the advantages x min(pi_old / mu, C)."""
-        rc = self.correction
-        if rc.rollout_is is None or "rollout_log_probs" not in batch:
+        """Rollout correction (algorithm.rollout_correction, engine/algorithms/correction.py): the
+        advantages x the truncated IS weight; the tokens rejection sampling or the veto leave out
+        as `policy_keep` (the trainer's policy update reads it). Its metrics on every batch with
+        rollout and old log-probs, a correction configured or not."""
+        if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
             return {}
-        weights, sums = rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
-                                           batch["response_mask"], rc.rollout_is, rc.rollout_is_threshold)
-        batch["advantages"] = batch["advantages"] * weights
-        total = torch.tensor([sums[k] for k in ("ratio", "weight", "clipped", "count")], dtype=torch.float64)
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        return correction_metrics(dict(zip(("ratio", "weight", "clipped", "count"), total.tolist())))
+        weights, keep, metrics = rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], self.correction,
+            reduce=dp_sum(ps.get_data_parallel_group()))
+        if weights is not None:
+            batch["advantages"] = batch["advantages"] * weights
+        if self.correction.masks:
+            batch["policy_keep"] = keep
+        return metrics
 
     def finish(self):
         """The run is over (a separate pool's client stops its servers)."""
