@@ -125,6 +125,10 @@ KEYS: dict[str, VerlKey] = {
         same=(None,), note="each engine's context is prompt_length + response_length, as null asks",
         fix=f"each engine's context is {ROLLOUT}.prompt_length + response_length (data.max_prompt_length + "
             "max_response_length by default); remove it and set those"),
+    # verl's DAPO recipes switch the penalty's logging; Trident always logs it
+    "reward_model.overlong_buffer.log": VerlKey(
+        same=ANY, note="the overlong penalty is always logged (reward_extra/overlong_reward/mean, "
+                       "reward_extra/overlong/mean)"),
     "trainer.critic_warmup": VerlKey(
         same=(0,), note="the actor trains from the first step, as 0 asks",
         fix="no critic-only warm-up steps yet: the actor trains from the first step; remove it (or start "
