@@ -95,6 +95,10 @@ def test_hf_directory_and_files_give_the_parquet_rows(tok, tmp_path):
                                       max_prompt_length=32))
         assert got == val_ref, source
     assert rows_or_files([str(tmp_path / "train.parquet")]) == [str(tmp_path / "train.parquet")]  # as before
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=",\nnot json\n')
+    assert _error(lambda: rows_or_files([str(tmp_path / "bad.jsonl")])) == (
+        f"data.train_files {str(tmp_path / 'bad.jsonl')!r} could not be read as a HF dataset (JSON parse error: "
+        "Missing a name for object member. in row 0); check the files or convert them to parquet")
     msg = _error(lambda: rows_or_files([str(tmp_path / "dict")], "validation", "data.val_files"))
     assert msg == (f"data.val_files {str(tmp_path / 'dict')!r} has no split 'validation' (its splits: "
                    "['train', 'test']); set data.val_split to one of them")
@@ -144,6 +148,9 @@ def test_without_the_datasets_package_one_line(tok, tmp_path, monkeypatch):
     line = _error(lambda: rows_or_files([str(tmp_path / "saved")], "train"))
     assert line == (f"data.train_files {str(tmp_path / 'saved')!r} is a HF dataset (directory or JSON); reading "
                     "it needs the `datasets` package: pip install trident-rl[hf] (or convert it to parquet)")
+    setup = open(os.path.join(ROOT, "setup.py")).read()  # the extra the line names exists, and dev has it
+    pin = f'"datasets=={datasets.__version__}"'
+    assert f'"hf": [{pin}]' in setup and setup.count(pin) == 2
 
 
 def test_custom_dataset_class(tok, tmp_path):

@@ -26,8 +26,8 @@ class Service:
     """A loopback reward service. Paths: /score and /wait (0.1 s a request): score 1 when
     response == ground_truth, else (len(response) + 1) / 100; /slow (the first `slow_first`
     requests sleep past the client's timeout); /flaky (every second request fails, HTTP 500);
-    /garbage (not JSON); /shape (JSON without 'scores'); /judge (a chat completion whose reply
-    ends in a number). Records every request."""
+    /garbage (not JSON); /shape (JSON without 'scores'); /short (one score for a batch); /judge
+    (a chat completion whose reply ends in a number). Records every request."""
 
     def __init__(self, slow_s=1.0, slow_first=1):
         self.requests, self.lock = [], threading.Lock()
@@ -61,9 +61,11 @@ class Service:
                     return self._reply(b"<html>502 bad gateway</html>")
                 if self.path == "/shape":
                     return self._reply(json.dumps({"result": "ok"}).encode())
+                if self.path == "/short":  # one score for the whole batch
+                    return self._reply(json.dumps({"scores": [1.0]}).encode())
                 if self.path == "/judge":
                     text = body["messages"][0]["content"]
-                    answer = "Score: 7" if "Response: 7" in text else "I rate it 2"
+                    answer = "On a scale of 0 to 10: 7" if "Response: 7" in text else "I rate it 2"
                     return self._reply(json.dumps({"choices": [{"message": {"role": "assistant",
                                                                             "content": answer}}]}).encode())
                 scores = [1.0 if s["response"] == s["ground_truth"] else {"score": (len(s["response"]) + 1) / 100,
@@ -81,7 +83,10 @@ class Service:
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # listen backlog: the clients' bursts of connections all wait
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
@@ -153,7 +158,8 @@ def test_service_down_is_scored_as_configured():
         assert sum(r["remote_requests"] for r in out) == pytest.approx(3 * 2)  # 3 requests x 2 attempts
 
 
-@pytest.mark.parametrize("path, reason", [("garbage", "not JSON"), ("shape", "no list 'scores' of 5")])
+@pytest.mark.parametrize("path, reason", [("garbage", "not JSON"), ("shape", "no list 'scores' of 5"),
+                                          ("short", r"no list 'scores' of 5 \(got \{'scores': \[1.0\]\}")])
 def test_garbage_replies_fail_with_the_reason(path, reason):
     with Service() as s:
         with pytest.raises(RewardServiceError, match=reason):
@@ -169,7 +175,7 @@ def test_openai_judge_mode(monkeypatch):
         remote = _remote(f"{s.url}/judge", mode="openai", model="judge-1", api_key_env="JUDGE_TOKEN")
         out = remote(["chat"] * 2, ["7", "5"], ["7", "7"], [{"raw_prompt": [{"role": "user", "content": "3+4="}]},
                                                             {"raw_prompt": "3+4="}])
-        assert [r["score"] for r in out] == [0.7, 0.2]  # "Score: 7" / 10, "I rate it 2" / 10
+        assert [r["score"] for r in out] == [0.7, 0.2]  # the last number / 10: "... 0 to 10: 7", "I rate it 2"
         assert len(s.requests) == 2  # one request per sample
         _, body, auth = s.requests[0]
         assert body["model"] == "judge-1" and body["temperature"] == 0.0 and auth == "Bearer secret-token"
@@ -202,6 +208,10 @@ def test_config_refuses_what_cannot_act():
     with pytest.raises(ConfigError, match="reward_model.remote.model=None"):
         load_config(DEMO, ["reward_model.url=http://127.0.0.1:9/c", "reward_model.remote.mode=openai",
                            "data.return_raw_chat=true"])
+    with pytest.raises(ConfigError, match=r"reward_model.num_workers=2: the reward service's requests run in threads"):
+        load_config(DEMO, ["reward_model.url=http://127.0.0.1:9/c", "reward_model.num_workers=2"])
+    with pytest.raises(ConfigError, match="reward_model.url=.*custom_reward_function.path is set too"):
+        load_config(DEMO, ["reward_model.url=http://127.0.0.1:9/c", f"custom_reward_function.path={__file__}"])
     with pytest.raises(ConfigError, match="reward_model.remote.on_failure='retry'"):
         load_config(DEMO, ["reward_model.url=http://127.0.0.1:9/c", "reward_model.remote.on_failure=retry"])
 

@@ -68,6 +68,9 @@ def _remote(cfg: TridentConfig) -> None:
     if rm.reward_manager in ("batch", "prime"):
         fail("reward_model.reward_manager", rm.reward_manager, "the reward service batches its own requests "
              "(reward_model.remote.batch_size, max_concurrency); use naive (or dapo)")
+    if rm.num_workers > 0:
+        fail("reward_model.num_workers", rm.num_workers, "the reward service's requests run in threads "
+             "(reward_model.remote.max_concurrency), not in the rule rewards' pool; set 0")
     if not rm.rule_reward:
         fail("reward_model.rule_reward", False, "the reward service scores in the rule rewards' place; set "
              "rule_reward=true (or remove reward_model.url)")

@@ -91,8 +91,9 @@ def read_hf_rows(path, split=None, key="data.train_files"):
             found = datasets.load_dataset("json", data_files=path, split="train")
         else:
             found = datasets.load_dataset(path)
-    except (ValueError, OSError, FileNotFoundError) as e:  # datasets' own: no data files, bad JSON
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except (ValueError, OSError, datasets.exceptions.DatasetsError) as e:  # no data files, bad JSON
+        cause = e.__cause__ or e  # DatasetGenerationError wraps the parser's error
+        reason = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
         raise DataError(f"{key} {path!r} could not be read as a HF dataset ({reason}); check the files "
                         "or convert them to parquet") from None
     if isinstance(found, (datasets.DatasetDict, dict)):

@@ -29,7 +29,6 @@ import http.client
 import json
 import os
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -59,7 +58,6 @@ class RemoteReward:
         self._path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
         self._regex = re.compile(remote.score_regex)
         self._token = os.environ.get(remote.api_key_env) if remote.api_key_env else None
-        self._local = threading.local()
         self.prompts_key = prompts_key
 
     # -- one HTTP attempt ------------------------------------------------------------------
