@@ -142,6 +142,18 @@ def test_bad_rows_give_the_parquet_error_lines(tok, tmp_path):
         assert outs[0] == outs[1] and outs[0][0] == ("error" if policy == "error" else "ok")
 
 
+def test_sft_conversations_from_a_hf_directory(tmp_path):
+    from engine.data.sft import SFTDataset, tool_conversations
+    from engine.tasks import build_agent_tokenizer
+    agent = build_agent_tokenizer()
+    rows = tool_conversations(6, 0, 0, "train")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "sft"))
+    got = [SFTDataset(rows_or_files([str(tmp_path / source)]), agent, 600).examples
+           for source in ("sft.parquet", "sft")]
+    assert len(got[0]) == 6 and got[0] == got[1]
+
+
 def test_without_the_datasets_package_one_line(tok, tmp_path, monkeypatch):
     datasets.Dataset.from_list(BAD[:1]).save_to_disk(str(tmp_path / "saved"))
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
