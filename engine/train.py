@@ -231,7 +231,11 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
     if cfg.custom_reward_function.path:
         from engine.rewards.custom import load_custom_reward
         custom = load_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers,
+    remote = None
+    if cfg.reward_model.url:  # a reward service in the rule rewards' place
+        from engine.rewards.remote import RemoteReward
+        remote = RemoteReward(cfg.reward_model.url, cfg.reward_model.remote)
+    reward_fn = RewardManager(tokenizer, compute_score=custom, num_workers=cfg.reward_model.num_workers, remote=remote,
                               reward_manager=cfg.reward_model.reward_manager,
                               overlong=cfg.reward_model.overlong_buffer,
                               max_response_length=arr.rollout.response_length,

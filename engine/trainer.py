@@ -231,6 +231,8 @@ class Trainer(Loop):
             gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
             reward_baselines=batch["reward_baselines"] if "reward_baselines" in batch else None,
             batch_sum=self._dp_sum)
+        if "reward_skipped" in batch:  # a reward service failed them (on_failure=skip): they train nothing
+            adv = adv * (~batch["reward_skipped"]).to(adv)[:, None]
         batch["advantages"], batch["returns"] = adv, ret
         return batch
 

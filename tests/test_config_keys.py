@@ -20,8 +20,8 @@ DEMO = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 REFUSED = {"actor_rollout_ref.hybrid_engine": (False, "only the colocated hybrid engine")}
 # Where a key's value is read: the engine, minus the schema, its loading and its range checks.
 NOT_READERS = ("engine/config/schema.py", "engine/config/rollout_correction.py", "engine/config/load.py",
-               "engine/config/validate.py",
-               "engine/config/validate_experience.py", "engine/config/verl.py")
+               "engine/config/validate.py", "engine/config/validate_experience.py", "engine/config/verl.py",
+               "engine/config/schema_sources.py", "engine/config/validate_sources.py")
 
 
 def _leaves(cls=TridentConfig, prefix=""):

@@ -13,6 +13,7 @@ from engine.errors import UserError
 from engine.metrics import LOGGERS
 from engine.algorithms.pair_losses import DPO_LOSSES
 from engine.config.rollout_correction import RolloutCorrectionConfig
+from engine.config.schema_sources import CustomClsConfig, RemoteRewardConfig
 from engine.rollout.registry import backend_names
 from engine.tasks import BuiltinTask
 from kernels.kl import KL_KINDS
@@ -45,7 +46,7 @@ RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 CheckpointContent = Literal["model", "optimizer", "extra"]
 RolloutName = Literal[backend_names() + ("auto",)]  # hf: transformers on CUDA (checks)
-RewardManager = Literal["naive", "batch"]
+RewardManager = Literal["naive", "batch", "dapo", "prime"]
 AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 KlCtrlType = Literal["fixed", "adaptive"]
 Logger = Literal[tuple(LOGGERS)]
@@ -88,8 +89,12 @@ MOVED_KEYS = {
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # parquet file(s); a lone string is accepted
+    # parquet file(s), HF datasets directories or JSON files (engine/data/sources.py); a lone string is accepted
+    train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
+    train_split: str = "train"  # a HF dataset's split (several splits in one source)
+    val_split: Optional[str] = None  # null: 'validation', else 'test', else its only split
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)  # verl's: a user's dataset class
     prompt_key: str = "prompt"
     max_prompt_length: int = 512
     max_response_length: int = 512
@@ -331,7 +336,8 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     micro_batch_size_per_gpu: Optional[int] = None  # required when enabled
     megatron: MegatronConfig = field(default_factory=_inherited_megatron)
-    # naive: the reward function per sample; batch: custom_reward_function once per step with lists
+    # naive: the reward function per sample; batch: custom_reward_function once per step with lists;
+    # verl's dapo: naive (+ overlong_buffer, which any manager applies); prime: naive in num_workers processes
     reward_manager: RewardManager = "naive"
     num_workers: int = 0  # Ray pool size for rule rewards; 0: in process
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -343,6 +349,8 @@ class RewardModelConfig:
     # beta * (log pi_dpo - log pi_ref) per token, model.path a DPO policy's HF export
     token_level: Optional[TokenLevel] = None
     rule_reward: bool = True  # false: the model's reward alone trains (validation still uses the rule)
+    url: Optional[str] = None  # a reward service (HTTP, JSON), scored in place of the rule rewards
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
 @dataclass

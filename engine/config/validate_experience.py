@@ -13,6 +13,8 @@ from engine.config.checks import check_range, fail
 
 
 def validate_experience(cfg: TridentConfig) -> None:
+    from engine.config.validate_sources import validate_sources  # data classes, reward services
+    validate_sources(cfg)
     _offline_source(cfg)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction

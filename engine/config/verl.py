@@ -138,6 +138,10 @@ KEYS: dict[str, VerlKey] = {
         same=("ppo_clip",), note="PPO's clipped loss trains, as ppo_clip asks",
         fix="read by verl in bypass mode only, which is not here; PPO's clipped loss trains "
             "(actor_rollout_ref.actor.policy_loss picks another); remove it"),
+    # verl's DAPO recipes switch the penalty's logging; Trident always logs it
+    "reward_model.overlong_buffer.log": VerlKey(
+        same=ANY, note="the overlong penalty is always logged (reward_extra/overlong_reward/mean, "
+                       "reward_extra/overlong/mean)"),
     "trainer.critic_warmup": VerlKey(
         same=(0,), note="the actor trains from the first step, as 0 asks",
         fix="no critic-only warm-up steps yet: the actor trains from the first step; remove it (or start "

@@ -18,8 +18,8 @@ Bad rows follow `data.truncation` by the row policy prompts follow (engine/data/
 DataError naming the row): 'error' raises; 'filter' drops and counts them (`data/dropped_empty`,
 `data/dropped_identical`, `data/dropped_overlong`); 'left' / 'right' cut an over-long prompt on
 that side and an over-long response at its end (`data/truncated_pairs`), other bad rows raise.
-HF `datasets` directories are not read (the package is not a dependency): convert them to
-parquet first.
+Besides parquet: a HF `datasets` directory, JSON files or a user's dataset class
+(engine/data/sources.py; the loaders pass their rows).
 
 Tests: tests/test_preference_data.py, tests/test_row_policy.py, tests/test_offline_trainers.py
 """
@@ -35,6 +35,7 @@ from engine.batch import Batch
 from engine.data.prompts import (PromptLoader, is_empty, is_messages, left_pad, right_pad,
                                  write_prompt_parquet)
 from engine.data.rows import RowPolicy
+from engine.data.sources import is_hf_source, read_hf_rows
 from engine.errors import DataError
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -45,16 +46,13 @@ __all__ = ["PreferenceDataset", "PairLoader", "pair_batch", "arith_pairs", "json
 
 
 def read_preference_rows(files):
-    """Rows (dicts) of parquet file(s), in order. HF datasets directories are refused."""
+    """Rows (dicts) of parquet file(s) or HF datasets sources (engine/data/sources.py), in order."""
     files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     rows = []
     for path in files:
-        if os.path.isdir(path):
-            raise DataError(
-                f"preference data {path!r} is a directory (a HF `datasets` save_to_disk?); Trident "
-                "reads parquet only (the `datasets` package is not installed here). Convert it "
-                f"once: datasets.load_from_disk({str(path)!r}).to_parquet('pairs.parquet'), and "
-                "list the parquet file in data.train_files / data.val_files")
+        if is_hf_source(path):  # a HF `datasets` directory or JSON file
+            rows.extend(read_hf_rows(path))
+            continue
         if not os.path.exists(path):
             raise DataError(f"preference data file {path!r} does not exist; check data.train_files"
                             " / data.val_files")

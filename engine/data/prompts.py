@@ -100,6 +100,7 @@ class PromptDataset:
                                                                     "data/filtered_overlong"))
         if _is_rows(data):
             rows = data
+            self.row_policy.where = getattr(data, "where", "")  # Rows (engine/data/sources.py) say where
         else:
             files = [data] if isinstance(data, (str, os.PathLike)) else list(data)
             rows = read_prompt_rows(files)

@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
+import torch
+
 from engine import faults
 from engine.config.phases import PHASE_NAMES, PHASES
 from engine.experience.balance import balance_batch
@@ -169,6 +171,9 @@ class StepContext:
         runs on every rank."""
         with self.phase("reward"):
             batch["token_level_scores"], extra = self._scores(batch)
+        rm = self.cfg.reward_model
+        if rm.url and rm.remote.on_failure == "skip" and "remote_failed" in extra:  # no gradient from them
+            batch["reward_skipped"] = torch.tensor([bool(v) for v in extra["remote_failed"]])
         return extra
 
     def rollout_ready(self):

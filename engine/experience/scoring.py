@@ -79,8 +79,23 @@ def score_once_per_replica(reward_fn, batch, model_scores, rule_reward: bool, ra
     return scores.to(batch["responses"].device), extra
 
 
+REMOTE_SUMS = {"reward_remote/requests": "remote_requests", "reward_remote/failed_samples": "remote_failed"}
+
+
 def reward_extra_metrics(extra: dict, dp: int) -> dict:
-    """Means over the global batch of the reward extras every rank has (same config)."""
+    """Means over the global batch of the reward extras every rank has (same config); with a
+    reward service (engine/rewards/remote.py), its step totals and request latency
+    (reward_remote/*: requests and failed samples summed over the replicas, latency_s/mean over
+    the samples, latency_s/max)."""
     local = {f"reward_extra/{k}/mean": float(np.mean([float(v) for v in extra[k]]))
              for k in REWARD_EXTRAS if k in extra and len(extra[k])}
-    return reduce_over_dp(local, dp) if local else {}
+    remote = "remote_failed" in extra and len(extra["remote_failed"])
+    if remote:  # sums travel as means over the DP shards (one per replica), times dp below
+        local.update({name: float(np.sum([float(v) for v in extra[k]])) for name, k in REMOTE_SUMS.items()})
+        latency = [float(v) for v in extra["remote_latency_s"]]
+        local.update({"reward_remote/latency_s/mean": float(np.mean(latency)),
+                      "reward_remote/latency_s/max": float(np.max(latency))})
+    out = reduce_over_dp(local, dp) if local else {}
+    for name in REMOTE_SUMS if remote else ():
+        out[name] = float(round(out[name] * dp))
+    return out

@@ -13,6 +13,7 @@ tests/test_sft.py
 from engine.data import pad_token_id, truncation_of
 from engine.data.preference import PreferenceDataset, arith_pairs
 from engine.data.sft import SFTDataset, tool_conversations
+from engine.loading import data_of
 
 BUILTIN_TRAIN_PAIRS, BUILTIN_VAL_PAIRS = 1024, 128  # as make_builtin_task's splits
 
@@ -30,8 +31,8 @@ def load_pair_datasets(cfg, tokenizer):
         level = d.builtin_task_difficulty
         return (PreferenceDataset(arith_pairs(BUILTIN_TRAIN_PAIRS, d.seed, level, "train"), **kw),
                 PreferenceDataset(arith_pairs(BUILTIN_VAL_PAIRS, d.seed, level, "test"), **kw))
-    train = PreferenceDataset(list(d.train_files), **kw)
-    val = PreferenceDataset(list(d.val_files), **kw) if d.val_files else None
+    train = PreferenceDataset(data_of(cfg, "train", tokenizer), **kw)
+    val = PreferenceDataset(data_of(cfg, "val", tokenizer), **kw) if d.val_files else None
     return train, val
 
 
@@ -43,8 +44,8 @@ def load_sft_datasets(cfg, tokenizer):
         level = d.builtin_task_difficulty
         return (SFTDataset(tool_conversations(BUILTIN_TRAIN_PAIRS, d.seed, level, "train"), **kw),
                 SFTDataset(tool_conversations(BUILTIN_VAL_PAIRS, d.seed, level, "test"), **kw))
-    train = SFTDataset(list(d.train_files), **kw)
-    val = SFTDataset(list(d.val_files), **kw) if d.val_files else None
+    train = SFTDataset(data_of(cfg, "train", tokenizer), **kw)
+    val = SFTDataset(data_of(cfg, "val", tokenizer), **kw) if d.val_files else None
     return train, val
 
 

@@ -14,7 +14,8 @@ sum to its whole score.
 With `num_workers > 0` the rule rewards run in a pool of Ray actors, so slow verifiers (sympy)
 do not stall the training process; results come back in the original order.
 
-Tests: tests/test_rewards.py, tests/test_token_rewards.py, tests/test_experience_parts.py
+Tests: tests/test_rewards.py, tests/test_token_rewards.py, tests/test_experience_parts.py,
+tests/test_reward_managers.py, tests/test_remote_reward.py
 """
 import os
 
@@ -23,6 +24,14 @@ import torch
 from engine.rewards import sandbox
 from engine.rewards.preference import margin_token_rewards
 from engine.rewards.registry import compute_scores, default_compute_score
+
+# verl's reward managers as Trident runs them: 'dapo' is verl's per-sample manager plus the overlong
+# penalty, which reward_model.overlong_buffer adds under any manager here; 'prime' is per-sample
+# scoring spread over worker processes, which reward_model.num_workers (a Ray pool) is
+MANAGERS = ("naive", "batch", "dapo", "prime")
+PRIME_NEEDS_WORKERS = ("reward_model.reward_manager='prime' scores in parallel processes: set "
+                       "reward_model.num_workers=N (a pool of N scoring processes, e.g. 8), or use "
+                       "reward_manager=naive")
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,19 +68,27 @@ def overlong_penalty(lengths, max_response_length, buffer_len, penalty_factor):
 
 class RewardManager:
     """`reward_manager` 'naive' scores sample by sample; 'batch' calls `compute_score` once with
-    lists (verl's BatchRewardManager signature). `overlong` (reward_model.overlong_buffer) adds
-    DAPO's length penalty, given the configured `max_response_length`."""
+    lists (verl's BatchRewardManager signature); 'dapo' is 'naive' (verl's DAPO manager is the
+    per-sample manager with the overlong penalty); 'prime' is 'naive' over the `num_workers` pool
+    (verl's PRIME manager scores in a process pool). `remote` (engine/rewards/remote.py, the
+    reward_model.url client) scores in place of the rule rewards. `overlong` (reward_model.overlong_buffer)
+    adds DAPO's length penalty under any manager, given the configured `max_response_length`."""
 
     def __init__(self, tokenizer, compute_score=None, num_workers=0, skip_special_tokens=False,
-                 reward_manager="naive", overlong=None, max_response_length=None, token_level=None):
+                 reward_manager="naive", overlong=None, max_response_length=None, token_level=None,
+                 remote=None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.compute_score = compute_score or default_compute_score
-        if reward_manager not in ("naive", "batch"):
-            raise ValueError(f"reward_model.reward_manager={reward_manager!r}: use 'naive' or 'batch'")
+        if reward_manager not in MANAGERS:
+            raise ValueError(f"reward_model.reward_manager={reward_manager!r}: use one of {list(MANAGERS)}")
+        if reward_manager == "prime" and int(num_workers) <= 0:
+            raise ValueError(PRIME_NEEDS_WORKERS)
         if reward_manager == "batch" and compute_score is None:
             raise ValueError("reward_model.reward_manager='batch' needs custom_reward_function.path")
         self.batched = reward_manager == "batch"
+        if remote is not None:  # a reward service (engine/rewards/remote.py): batched requests
+            self.compute_score, self.batched = remote, True
         if token_level not in (None, "margin", "implicit"):
             raise ValueError(f"reward_model.token_level={token_level!r}: use null, 'margin' or 'implicit'")
         self.token_level = token_level
