@@ -1,7 +1,8 @@
 """A separate rollout pool (trainer.rollout_pool=separate, engine/rollout/pool.py) through the real
-trainer: 2 training + 2 rollout ranks give the colocated run's steps; one-step off-policy keeps the
-number of updates and logs staleness 1; SGLang engines (the recording double in tests/fakes, whose
-TP workers are processes joining the group as sglang's do) get the weights over the update group."""
+trainer: 2 training + 2 rollout ranks give the colocated run's steps bit for bit (k = 0); k-step
+off-policy keeps the number of updates and trains no token more than k versions behind; SGLang
+engines (the recording double in tests/fakes, whose TP workers are processes joining the group as
+sglang's do) get the weights over the update group."""
 import json
 import os
 import subprocess
@@ -73,18 +74,42 @@ def test_separate_pool_trains_like_colocated(colocated_and_pool):
     colocated, pool = ([r for r in records if r["step"] > 0] for records in (colocated, pool))
     assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2, 3]
     for a, b in zip(colocated, pool):  # the same responses (keyed sampling), log-probs, updates
-        for key in COMPARED:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
-        assert b["rollout/staleness"] == 0
+        for key in COMPARED:  # bit for bit: k = 0 is the synchronous step
+            assert a[key] == b[key], (a["step"], key)
+        assert b["rollout/staleness"] == b["rollout/staleness/max"] == b["rollout/stale_samples"] == 0
+        assert b["rollout/staleness/hist/0"] == 1.0 and "rollout/staleness/hist/1" not in b
     a, b = _weights(tmp, "colocated", 3), _weights(tmp, "pool", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_one_step_off_policy(tmp_path):
-    records = _run(tmp_path, "offpolicy", 4, POOL + ["trainer.off_policy_steps=1"], steps=3)
-    assert [r["step"] for r in records] == [1, 2, 3]  # one update per step, none lost
-    assert [r["rollout/staleness"] for r in records] == [0, 1, 1]
-    assert all(r["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in r for r in records)
+def _check_staleness(records, k, steps):
+    """One update per step, none lost; from the versions recorded on every trained token: step s
+    trains tokens exactly min(s - 1, k) versions behind (the pool works up to k steps ahead,
+    nothing older than k), the histogram all in that bin, nothing refused."""
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        behind = min(r["step"] - 1, k)
+        assert r["rollout/staleness"] == behind  # the batch's weights
+        assert r["rollout/staleness/min"] == r["rollout/staleness/max"] == r["rollout/staleness/mean"] == behind
+        assert [r[f"rollout/staleness/hist/{j}"] for j in range(k + 1)] == [float(j == behind) for j in range(k + 1)]
+        assert r["rollout/stale_samples"] == 0
+        assert r["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in r  # recomputed, not reused
+
+
+@pytest.mark.parametrize("k, nproc, steps", [(1, 2, 3), (2, 4, 4)])
+def test_k_step_off_policy(tmp_path, k, nproc, steps):
+    """k = 1 on 1 training + 1 pool rank, k = 2 on 2 + 2 (the metrics reduced over DP)."""
+    pool = ["trainer.rollout_pool=separate", f"trainer.rollout_pool_ranks={nproc // 2}"]
+    records = _run(tmp_path, f"offpolicy{k}", nproc, pool + [f"trainer.off_policy_steps={k}"], steps=steps)
+    _check_staleness(records, k, steps)
+
+
+# 2 ranks, 6 steps; the fast siblings: test_k_step_off_policy at k = 1, 2
+@pytest.mark.slow
+def test_four_steps_off_policy(tmp_path):
+    records = _run(tmp_path, "offpolicy4", 2, ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1",
+                                               "trainer.off_policy_steps=4"], steps=6)
+    _check_staleness(records, 4, 6)
 
 
 def _records(tmp_path, name):

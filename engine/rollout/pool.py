@@ -13,12 +13,14 @@ process group over every launched rank, set up once — carries the rest:
   engine's leader. Other backends (CPU) get each bucket over the bridge: training rank j sends
   it to the pool ranks it feeds, which load it into their group's engine;
 * requests: training rank 0 sends every pool rank the same ordered stream of requests
-  (weights, generate step s, validate, stop); pool ranks serve them in order, so a request for
-  step s+1 sent before step s trains is generated while it trains (one-step off-policy);
+  (weights, generate step s, validate, stop); pool ranks serve them in order, so the requests
+  for steps s+1 .. s+k sent before step s trains are generated while it trains (k-step
+  off-policy, trainer.off_policy_steps);
 * results: each group leader sends each training DP replica's relay exactly the responses of
   that replica's prompts; the relay broadcasts them in its replica.
 
-Every batch carries the weight version it was generated with (staleness = step - 1 - version).
+Every batch carries the weight version it was generated with (staleness = step - 1 - version),
+and every response token that version (`rollout_versions`: engine/experience/staleness.py).
 The buckets are cut and renamed as for a colocated engine (engine/rollout/colocated.py:
 `bucket_bytes`, `to_hf_names`).
 
@@ -82,6 +84,12 @@ def _flat(named):
     return torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in named])
 
 
+def _stamped(out, rows, version):
+    """RolloutOutput.share of `rows`, every token stamped with the weights' policy `version`."""
+    from engine.rollout.batches import with_versions
+    return with_versions(out.share(rows), [[version] * len(r) for r in out.responses[rows]])
+
+
 def _is_end(message):
     return isinstance(message, tuple) and len(message) == 2 and message[0] == "end"
 
@@ -133,13 +141,15 @@ class PoolClient:
         self.pg = open_as_sender(address, port, group.world_size, group.name, backend, timeout_s)
         self.update_group = group
 
-    def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None):
-        """Collective over the training world: every bucket to every pool rank."""
+    def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None, version=None):
+        """Collective over the training world: every bucket to every pool rank. `version`: the
+        policy version of these weights (the updates they hold; default: one more than the last
+        sent); every token generated with them is stamped with it."""
         from engine.rollout.colocated import bucket_bytes, to_hf_names
         from parallel import fsdp
         from parallel.reshard import iter_buckets
         from engine.rollout.update_group import broadcast_bucket, manifest
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         if self.rank == 0:
             for p in self.pool:
                 self.bridge.send(("weights", self.version), p)
@@ -267,7 +277,8 @@ def serve(bridge, group, T, generate):
         n = msg["sampling"].n
         if not group.is_leader:
             continue
-        produced = {} if out is None else {i: out.share(slice(k * n, (k + 1) * n)) for k, i in enumerate(mine)}
+        produced = {} if out is None else {i: _stamped(out, slice(k * n, (k + 1) * n), version)
+                                           for k, i in enumerate(mine)}
         shares = split_evenly(len(msg["prompts"]), len(msg["relays"]))
         for relay, share in zip(msg["relays"], shares):
             part = overlap(range(mine[0], mine[-1] + 1), share) if mine else range(0)
