@@ -10,8 +10,10 @@ import torch
 from engine.rollout.base import SamplingParams
 from engine.rollout.partial import FINISH_PAUSED, paused_rows, stamp
 from tests.test_rollout_cpu import PROMPTS, llama_config, loaded_rollout, reference_model
+from tests.test_sglang_double import double as sglang_double, tiny_model_dir
 
 KEYS = [40, 41, 42]
+double = pytest.fixture(sglang_double.__wrapped__, name="double")  # the SGLang double (tests/fakes)
 
 
 def _sampling(**kw):
@@ -85,3 +87,24 @@ def test_rows_that_ended_before_the_pause_stay_as_they_were():
     for r in ended:
         assert done.responses[r] == out.responses[r] and done.finish_reasons[r] == out.finish_reasons[r]
     assert stamp(stamp(None, out, 0), done, 1)[ended[0]] == [0] * len(out.responses[ended[0]])
+
+
+def test_sglang_pauses_and_continues_its_requests_through_the_tokenizer_manager(double, tmp_path, monkeypatch):
+    """SGLangRollout.pause_requests / continue_requests: sglang's PauseGenerationReqInput
+    (mode 'retract': requests keep their tokens) and ContinueGenerationReqInput, awaited on the
+    engine's own event loop (names checked in the wheel: tests/test_sglang_contract.py)."""
+    from engine.rollout.sglang import SGLangRollout
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rollout = SGLangRollout(None, model_path=tiny_model_dir(tmp_path / "m"))
+    try:
+        manager = rollout.engine.tokenizer_manager
+        rollout.pause_requests()
+        assert manager.is_pause
+        rollout.continue_requests()
+        assert not manager.is_pause
+        calls = [(e["kind"], e.get("mode", e.get("torch_empty_cache"))) for e in double.RECORDS
+                 if e["kind"].endswith("_generation")]
+        assert calls == [("pause_generation", "retract"), ("continue_generation", False)]
+    finally:
+        rollout.shutdown()

@@ -96,6 +96,10 @@ class Engine:
         self.schedulers = launch_scheduler_processes(kwargs)
         self.environ_at_start = dict(os.environ)
         _record("init", kwargs=kwargs, schedulers=[info for _, _, info in self.schedulers])
+        # sglang/srt/entrypoints/engine.py: the engine's tokenizer manager answers the control
+        # requests (pause / continue: tests/fakes/sglang/srt/managers/tokenizer_manager.py)
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        self.tokenizer_manager = TokenizerManager(_record)
         self.kwargs = kwargs
         self.generator = random.Random(kwargs.get("random_seed", 0))  # sglang seeds its schedulers so
         self.rollout = None
@@ -237,6 +241,14 @@ class Engine:
         self.rollout.resume_memory(tags)
 
     # -- generation ------------------------------------------------------------------------
+    @property
+    def loop(self):
+        """sglang/srt/entrypoints/engine.py ``Engine.__init__``: ``self.loop = self._ensure_event_loop()``."""
+        if getattr(self, "_loop", None) is None:
+            import asyncio
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                  return_routed_experts=False):
         from engine.rollout.base import FINISH_STOP
