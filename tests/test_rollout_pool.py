@@ -96,20 +96,23 @@ def _check_staleness(records, k, steps):
         assert r["actor/grad_norm"] > 0 and "timing_s/old_log_prob" in r  # recomputed, not reused
 
 
-@pytest.mark.parametrize("k, nproc, steps", [(1, 2, 3), (2, 4, 4)])
-def test_k_step_off_policy(tmp_path, k, nproc, steps):
-    """k = 1 on 1 training + 1 pool rank, k = 2 on 2 + 2 (the metrics reduced over DP)."""
+def _off_policy(tmp_path, k, nproc, steps):
     pool = ["trainer.rollout_pool=separate", f"trainer.rollout_pool_ranks={nproc // 2}"]
     records = _run(tmp_path, f"offpolicy{k}", nproc, pool + [f"trainer.off_policy_steps={k}"], steps=steps)
     _check_staleness(records, k, steps)
 
 
-# 2 ranks, 6 steps; the fast siblings: test_k_step_off_policy at k = 1, 2
+def test_two_steps_off_policy(tmp_path):
+    """k = 2 on 1 training + 1 pool rank: steps 1, 2, 3 train tokens 0, 1, 2 versions behind."""
+    _off_policy(tmp_path, 2, 2, 3)
+
+
+# 4 and 2 ranks under torchrun; the fast sibling: test_two_steps_off_policy
 @pytest.mark.slow
-def test_four_steps_off_policy(tmp_path):
-    records = _run(tmp_path, "offpolicy4", 2, ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1",
-                                               "trainer.off_policy_steps=4"], steps=6)
-    _check_staleness(records, 4, 6)
+@pytest.mark.parametrize("k, nproc, steps", [(1, 4, 3), (4, 2, 6)])
+def test_k_step_off_policy(tmp_path, k, nproc, steps):
+    """k = 1 on 2 training + 2 pool ranks (the metrics reduced over DP), k = 4 on 1 + 1."""
+    _off_policy(tmp_path, k, nproc, steps)
 
 
 def _records(tmp_path, name):
