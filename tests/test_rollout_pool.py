@@ -213,3 +213,24 @@ def test_pool_validation_with_several_samples_per_prompt_scores_them_against_the
     for x, y in zip(a, b):
         assert x["val/score/mean"] == pytest.approx(y["val/score/mean"], rel=1e-9), (x, y)
     assert len({round(r["val/score/mean"], 9) for r in a}) == 2  # the update moved the responses
+
+
+# 2 ranks, 4 steps of long responses; the fast siblings: tests/test_partial_rollouts.py (the
+# engine's pause / continue, a straddling response's two versions) and test_two_steps_off_policy
+@pytest.mark.slow
+def test_partial_rollouts_through_the_pool(tmp_path):
+    """trainer.partial_rollout at k = 2: weights announced while the pool generates pause it and it
+    goes on from its tokens. Whether a pause falls inside a generation depends on timing (here
+    the pool decodes one prompt's 4 rows at a time, so it is usually still generating step 3 when
+    step 2's weights come: seen [0, 0, 4, 4] straddling samples); what must hold every time: one
+    update per step, nothing refused, no trained token more than k versions behind."""
+    pool = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=2",
+            "trainer.partial_rollout=true", "data.max_response_length=48",
+            "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.max_num_seqs=1"]
+    records = _run(tmp_path, "partial", 2, pool, steps=4)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["rollout/stale_samples"] == 0 and r["rollout/staleness/max"] <= min(r["step"] - 1, 2)
+        assert sum(r[f"rollout/staleness/hist/{j}"] for j in range(3)) == pytest.approx(1.0)
+        assert r["actor/grad_norm"] > 0
+    print("samples straddling an update per step:", [r["rollout/partial_samples"] for r in records])

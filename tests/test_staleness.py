@@ -52,6 +52,7 @@ def test_samples_older_than_k_are_refused_and_counted(k):
         m = staleness_metrics(batch, 9, k, refused)
         trained = [a for row, kept in zip(ages, keep) if kept for a in row]
         assert m["rollout/stale_samples"] == refused
+        assert m["rollout/partial_samples"] == sum(len(set(row)) > 1 for row, kept in zip(ages, keep) if kept)
         assert m["rollout/staleness/max"] == (max(trained) if trained else 0) <= k
         assert m["rollout/staleness/min"] == (min(trained) if trained else 0)
         assert m["rollout/staleness/mean"] == pytest.approx(sum(trained) / len(trained) if trained else 0)
@@ -98,3 +99,14 @@ def test_off_policy_steps_takes_any_k_with_a_pool_and_refuses_a_negative_one():
         load_config(DEMO, pool + ["trainer.off_policy_steps=-1"])
     with pytest.raises(ConfigError, match="set trainer.rollout_pool=separate"):
         load_config(DEMO, ["trainer.off_policy_steps=2"])
+
+
+def test_partial_rollout_is_refused_where_no_weights_arrive_mid_generation():
+    pool = ["trainer.n_gpus_per_node=4", "trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=2"]
+    on = ["trainer.off_policy_steps=2", "trainer.partial_rollout=true"]
+    assert load_config(DEMO, pool + on).trainer.partial_rollout
+    with pytest.raises(ConfigError, match=r"trainer.partial_rollout.*off_policy_steps >= 1"):
+        load_config(DEMO, pool + ["trainer.partial_rollout=true"])
+    with pytest.raises(ConfigError, match=r"trainer.partial_rollout.*tensor_model_parallel_size=2"):
+        load_config(DEMO, pool + on + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+

@@ -1,8 +1,10 @@
 """Validation of where a PPO step's experience comes from and how it is weighed: logged
 responses (data.offline_path), token-level model rewards, truncated IS (rollout_correction),
-replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each.
+replay / PF-PPO, DAPO dynamic sampling and the separate pool's partial rollouts. One ConfigError
+naming key, value and fix each.
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py,
+tests/test_staleness.py
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def validate_experience(cfg: TridentConfig) -> None:
             if set_:
                 fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
                      "own source of experience); use rollout_pool=colocated or remove it")
+    _partial_rollout(cfg)
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
@@ -128,3 +131,18 @@ def _filter_groups(cfg: TridentConfig) -> None:
     if f.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         fail(f"{p}.metric", f.metric, "groups are filtered before the in-reward KL is known here "
              "(algorithm.use_kl_in_reward=true); use seq_reward")
+
+
+def _partial_rollout(cfg: TridentConfig) -> None:
+    """trainer.partial_rollout: the separate pool's engines pause for new weights mid-generation
+    (engine/rollout/pool.py serve); only where that can happen and the pool can drive it."""
+    t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+    if not t.partial_rollout:
+        return
+    if t.rollout_pool != "separate" or t.off_policy_steps < 1:
+        fail("trainer.partial_rollout", True, "weights arrive during a generation only when a separate pool "
+             "works ahead: set trainer.rollout_pool=separate and off_policy_steps >= 1, or remove it")
+    if r.name not in ("cpu", "hf") or r.tensor_model_parallel_size != 1 or r.multi_turn.enable:
+        fail("trainer.partial_rollout", True, f"the pool pauses and continues engines of the cpu / hf backends "
+             f"at rollout TP 1, single-turn, so far (rollout.name={r.name!r}, tensor_model_parallel_size="
+             f"{r.tensor_model_parallel_size}); remove it")

@@ -46,8 +46,10 @@ def staleness_metrics(batch, current, k, refused, group=None):
     mask = batch["response_mask"].bool()
     behind = versions_behind(batch, current)[mask].double()
     counts = torch.bincount(behind.long(), minlength=k + 1)[:k + 1].double()
-    sums = torch.cat([torch.tensor([behind.sum(), float(behind.numel()), float(refused)], dtype=torch.float64),
-                      counts])
+    ages = versions_behind(batch, current).masked_fill(~mask, -1)  # partial rollouts: tokens of several versions
+    spans = float(((ages.amax(-1) > ages.masked_fill(~mask, 1 << 30).amin(-1)) & mask.any(-1)).sum())
+    sums = torch.cat([torch.tensor([behind.sum(), float(behind.numel()), float(refused), spans],
+                                   dtype=torch.float64), counts])
     low = torch.tensor([behind.min() if behind.numel() else float("inf")], dtype=torch.float64)
     high = torch.tensor([behind.max() if behind.numel() else float("-inf")], dtype=torch.float64)
     if dist.is_initialized():
@@ -58,7 +60,7 @@ def staleness_metrics(batch, current, k, refused, group=None):
     out = {"rollout/staleness/min": float(low) if tokens else 0.0,
            "rollout/staleness/mean": float(sums[0]) / tokens if tokens else 0.0,
            "rollout/staleness/max": float(high) if tokens else 0.0,
-           "rollout/stale_samples": float(sums[2])}
-    out.update({f"rollout/staleness/hist/{j}": float(sums[3 + j]) / tokens if tokens else 0.0
+           "rollout/stale_samples": float(sums[2]), "rollout/partial_samples": float(sums[3])}
+    out.update({f"rollout/staleness/hist/{j}": float(sums[4 + j]) / tokens if tokens else 0.0
                 for j in range(k + 1)})
     return out
