@@ -1,10 +1,8 @@
 """Validation of where a PPO step's experience comes from and how it is weighed: logged
 responses (data.offline_path), token-level model rewards, truncated IS (rollout_correction),
-replay / PF-PPO, DAPO dynamic sampling and the separate pool's partial rollouts. One ConfigError
-naming key, value and fix each.
+replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each.
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py,
-tests/test_staleness.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_token_rewards.py
 """
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from engine.config.checks import check_range, fail
 
 def validate_experience(cfg: TridentConfig) -> None:
     _offline_source(cfg)
+    _partial_rollout(cfg)  # the separate pool's (tests/test_staleness.py)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction
     check_range(rc, "algorithm.rollout_correction", "rollout_is_threshold", ge=1.0)
@@ -26,7 +25,6 @@ def validate_experience(cfg: TridentConfig) -> None:
             if set_:
                 fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
                      "own source of experience); use rollout_pool=colocated or remove it")
-    _partial_rollout(cfg)
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
