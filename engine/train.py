@@ -347,7 +347,7 @@ def serve_pool(cfg, bridge, n_train):
         generate = tool_actor.from_config(r.multi_turn, tokenizer, r.response_length,
                                           [tokenizer.eos_token_id] + list(r.stop_token_ids), engine_generate)
     try:
-        serve(bridge, group, n_train, generate=generate)
+        serve(bridge, group, n_train, generate=generate, partial=cfg.trainer.partial_rollout)
     finally:
         group.shutdown()
 

@@ -91,9 +91,10 @@ def test_reshard_json_moves_the_whole_model_in_buckets(tmp_path):
 
 @pytest.mark.slow
 def test_pool_json_off_policy_against_on_policy(tmp_path):
-    report = _bench(tmp_path, "pool", "--steps", "2", "--train-ranks", "1", "--pool-ranks", "1",
-                    "--response-length", "4", timeout=600)
-    on, off = report["on_policy"], report["off_policy"]
-    assert on["steps"] == off["steps"] == 2 and report["ranks"] == 2
-    assert report["ratio"] == pytest.approx(off["step_s"] / on["step_s"])
-    assert set(on["staleness"]) <= {0, None} and off["staleness"][-1] == 1
+    report = _bench(tmp_path, "pool", "--off-policy-steps", "0", "2", "--steps", "3", "--train-ranks", "1",
+                    "--pool-ranks", "1", "--response-length", "4", timeout=600)
+    on, off = report["runs"]["0"], report["runs"]["2"]
+    assert on["steps"] == off["steps"] == 3 and report["ranks"] == 2 and report["baseline_k"] == 0
+    assert off["ratio"] == pytest.approx(off["step_s"] / on["step_s"]) and on["ratio"] == 1.0
+    assert on["staleness"] == [0, 0, 0] and off["staleness"] == [0, 1, 2]  # the trainer's log, per step
+    assert on["stale_samples"] == off["stale_samples"] == 0 and 1 <= on["response_max"] <= 4

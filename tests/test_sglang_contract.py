@@ -120,6 +120,7 @@ def contract_problems(src: SglangSource, used_api: dict) -> list:
                  for k in used_api["memory_tags"] if k not in constants]
     problems += success_problems(src, used_api["returns_success"])
     problems += update_group_problems(src, used_api["update_group"])
+    problems += pause_problems(src, used_api)
     problems += fragment_problems(src, used_api["routed_experts"])
     problems += fragment_problems(src, used_api["fp8"])
     problems += fragment_problems(src, used_api["finish_reasons"])
@@ -181,6 +182,26 @@ def fragment_problems(src: SglangSource, functions: dict) -> list:
         text = ast.unparse(node) if node is not None else ""
         problems += [f"{where} no longer has {f!r}" for f in fragments if f not in text]
     return problems
+
+
+def pause_problems(src: SglangSource, used_api: dict) -> list:
+    """The pause / continue requests' fields, the pause mode among the Literal of `mode`, and
+    where they act (partial rollouts: SGLangRollout.pause_requests / continue_requests)."""
+    path = "sglang/srt/managers/io_struct.py"
+    problems = []
+    for name, fields in used_api["pause_requests"].items():
+        try:
+            cls = src.class_def(path, name)
+        except LookupError:
+            problems.append(f"{path} has no {name}")
+            continue
+        problems += [f"{name} has no field {f!r}" for f in fields if f not in struct_fields(cls)]
+        if name == "PauseGenerationReqInput":
+            mode = next((n for n in cls.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "mode"),
+                        None)
+            if mode is None or repr(used_api["pause_mode"]) not in ast.unparse(mode.annotation):
+                problems.append(f"PauseGenerationReqInput.mode takes no {used_api['pause_mode']!r}")
+    return problems + fragment_problems(src, used_api["partial_rollouts"])
 
 
 def module_names(src: SglangSource, module: str):

@@ -1,14 +1,22 @@
-"""pool: a separate rollout pool, on-policy vs one-step off-policy, side by side.
+"""pool: a separate rollout pool at staleness k = 0, 1, 2 (trainer.off_policy_steps), side by side.
 
-    python tools/benchmark.py pool [--steps 6] [--train-ranks 2] [--pool-ranks 2] [--response-length 32]
-    # measured here (2 cores, --response-length 128): 1 + 1 ranks 0.616x, 2 + 2 ranks 0.939x
+    python tools/benchmark.py pool [--off-policy-steps 0 1 2] [--steps 6] [--train-ranks 2]
+                                   [--pool-ranks 2] [--response-length 128]
+    # measured here (2 shared cores, 2 + 2 ranks, 6 steps, 128 tokens): see the report's ratios
 
-Both runs train recipes/tiny_cpu_demo.yaml on the same ranks (training ranks + a separate pool,
-trainer.rollout_pool=separate), one with trainer.off_policy_steps=0, one with 1, and report the
-mean `timing_s/step` over the steps after the first (the first step has nothing to overlap with)
-and the off-policy / on-policy ratio. Off-policy wins by overlapping the pool's generation of
-step t+1 with the training of step t, so it needs spare cores: on a machine with fewer cores than
-ranks both phases compete for the same cores and the ratio tends to 1.
+Every run trains recipes/tiny_cpu_demo.yaml on the same ranks (training ranks + a separate pool,
+trainer.rollout_pool=separate) with one trainer.off_policy_steps each, and reports the mean
+`timing_s/step` over the steps after the first (the first has nothing to overlap with), its ratio
+to the k = 0 run's, the seconds a step waited for generation, and the staleness the trainer logged
+(the most versions behind of any trained token, per step).
+
+The response lengths are long-tailed: the demo's random model stops at its eos with about the
+same small probability at every token (the vocabulary is 20 tokens), so with room for
+--response-length tokens the lengths are about geometric: most responses are short and a few per
+step run many times the median (`max / mean` is printed per run). A synchronous step waits for its
+longest response; at k >= 1 the pool generates the next steps while this one trains, so the tail
+is hidden behind training as far as the cores allow: on a machine with fewer cores than ranks both
+phases compete for the same cores and the ratios tend to 1.
 
 Tests: tests/test_benchmark_json.py
 """
@@ -25,12 +33,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
 
+def _staleness(text):
+    """argparse type of --off-policy-steps: an integer k >= 0."""
+    import argparse
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0; give the staleness bound k, e.g. 2")
+    return int(text)
+
+
 def add_arguments(p):
     from engine.errors import positive
+    p.add_argument("--off-policy-steps", type=_staleness, nargs="+",
+                   default=[0, 1, 2], help="one run per k (trainer.off_policy_steps); the first is the baseline")
     p.add_argument("--steps", type=positive(int, "the training steps per run, e.g. 6"), default=6)
     p.add_argument("--train-ranks", type=positive(int, "the training ranks, e.g. 2"), default=2)
     p.add_argument("--pool-ranks", type=positive(int, "the rollout pool's ranks, e.g. 2"), default=2)
-    p.add_argument("--response-length", type=positive(int, "the response tokens, e.g. 32"), default=32)
+    p.add_argument("--response-length", type=positive(int, "the most response tokens, e.g. 128"), default=128)
 
 
 def _run_one(args, k, tmp):
@@ -52,24 +70,35 @@ def _run_one(args, k, tmp):
         raise RuntimeError(f"the off_policy_steps={k} run failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     with open(os.path.join(tmp, "logs", name, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    later = [r["timing_s/step"] for r in records[1:]]
-    return {"steps": len(records), "step_s": sum(later) / len(later), "wall_s": wall,
-            "staleness": [r.get("rollout/staleness") for r in records],
-            "gen_s": sum(r.get("timing_s/gen", 0.0) for r in records[1:]) / len(later)}
+    later = records[1:]
+    return {"k": k, "steps": len(records), "wall_s": wall,
+            "step_s": sum(r["timing_s/step"] for r in later) / len(later),
+            "gen_s": sum(r.get("timing_s/gen", 0.0) for r in later) / len(later),
+            "staleness": [r.get("rollout/staleness/max") for r in records],
+            "stale_samples": sum(r.get("rollout/stale_samples", 0.0) for r in records),
+            "response_mean": sum(r["response_length/mean"] for r in records) / len(records),
+            "response_max": max(r["response_length/max"] for r in records)}
 
 
 def run(args) -> dict:
+    from engine.errors import UsageError
     if args.steps < 2:
-        from engine.errors import UsageError
         raise UsageError(f"--steps {args.steps}: the mean leaves out the first step; give at least 2")
+    ks = list(dict.fromkeys(args.off_policy_steps))
     with tempfile.TemporaryDirectory(prefix="bench_pool_") as tmp:
-        on, off = _run_one(args, 0, tmp), _run_one(args, 1, tmp)
-    report = {"on_policy": on, "off_policy": off, "ratio": off["step_s"] / on["step_s"],
+        runs = [_run_one(args, k, tmp) for k in ks]
+    base = runs[0]
+    for r in runs:
+        r["ratio"] = r["step_s"] / base["step_s"]
+    report = {"runs": {str(r["k"]): r for r in runs}, "baseline_k": base["k"],
               "cores": os.cpu_count(), "ranks": args.train_ranks + args.pool_ranks}
     print(f"pool: {args.train_ranks} training + {args.pool_ranks} rollout ranks on {os.cpu_count()} cores, "
-          f"{args.steps} steps, responses of {args.response_length} tokens")
-    print(f"  {'':<14}{'step s':>9}{'wait for gen s':>16}{'run wall s':>12}  staleness")
-    for label, r in (("on-policy", on), ("off-policy 1", off)):
-        print(f"  {label:<14}{r['step_s']:>9.2f}{r['gen_s']:>16.2f}{r['wall_s']:>12.1f}  {r['staleness']}")
-    print(f"  off-policy / on-policy step time: {report['ratio']:.3f} (steps 2..{args.steps})")
+          f"{args.steps} steps, responses of up to {args.response_length} tokens")
+    print(f"  {'k':>3}{'step s':>9}{'x k=' + str(base['k']):>8}{'wait gen s':>12}{'wall s':>9}"
+          f"{'resp mean':>11}{'max':>6}  staleness max per step (refused)")
+    for r in runs:
+        print(f"  {r['k']:>3}{r['step_s']:>9.2f}{r['ratio']:>8.3f}{r['gen_s']:>12.2f}{r['wall_s']:>9.1f}"
+              f"{r['response_mean']:>11.1f}{r['response_max']:>6.0f}  {r['staleness']} ({r['stale_samples']:.0f})")
+    tails = ", ".join("k={} {:.1f}x".format(r["k"], r["response_max"] / max(r["response_mean"], 1e-9)) for r in runs)
+    print(f"  step time relative to k={base['k']} over steps 2..{args.steps}; response length max / mean: {tails}")
     return report

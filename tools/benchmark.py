@@ -3,7 +3,7 @@
     python tools/benchmark.py step [--workload tiny|3m|75m|RECIPE] [--baseline] [--json F]
     python tools/benchmark.py reshard [--size-mb 200]
     python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
-    python tools/benchmark.py pool [--steps 6]         # separate rollout pool: off- vs on-policy
+    python tools/benchmark.py pool [--off-policy-steps 0 1 2]   # separate pool at staleness k
     python tools/benchmark.py all                      # every subcommand with its defaults
 
 Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register

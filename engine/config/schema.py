@@ -462,7 +462,8 @@ class TrainerConfig:
     # rollout_pool_ranks ranks only generate (engine/rollout/pool.py)
     rollout_pool: Literal["colocated", "separate"] = "colocated"
     rollout_pool_ranks: int = 0
-    off_policy_steps: int = 0  # 1: step t+1 generates while step t trains (separate pool)
+    off_policy_steps: int = 0  # k: steps up to t+k generate while step t trains (separate pool)
+    partial_rollout: bool = False  # new weights pause the pool's generations, which go on from their tokens
     # ppo; reward_model (Bradley-Terry on preference pairs); dpo; sft (conversations). The
     # offline tasks train the actor_rollout_ref.model with the actor's optim / megatron /
     # micro-batch keys

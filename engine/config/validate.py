@@ -402,8 +402,9 @@ def _validate_trainer(cfg: TridentConfig) -> None:
     if t.rollout_pool == "colocated" and t.rollout_pool_ranks:
         fail("trainer.rollout_pool_ranks", t.rollout_pool_ranks, "only read with trainer.rollout_pool=separate; "
              "set it to 0 or set rollout_pool=separate")
-    if t.off_policy_steps not in (0, 1):
-        fail("trainer.off_policy_steps", t.off_policy_steps, "use 0 (on-policy) or 1 (one-step off-policy)")
+    if t.off_policy_steps < 0:
+        fail("trainer.off_policy_steps", t.off_policy_steps, "use k >= 0 (0: on-policy; k: the pool "
+             "generates up to k steps ahead, no token trained is more than k updates old)")
     if t.off_policy_steps and t.rollout_pool != "separate":
         fail("trainer.off_policy_steps", t.off_policy_steps, "overlapping generation with training needs "
              "other ranks to generate: set trainer.rollout_pool=separate and rollout_pool_ranks")

@@ -16,6 +16,7 @@ def validate_experience(cfg: TridentConfig) -> None:
     from engine.config.validate_sources import validate_sources  # data classes, reward services
     validate_sources(cfg)
     _offline_source(cfg)
+    _partial_rollout(cfg)  # the separate pool's (tests/test_staleness.py)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction
     try:
@@ -136,3 +137,18 @@ def _filter_groups(cfg: TridentConfig) -> None:
     if f.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         fail(f"{p}.metric", f.metric, "groups are filtered before the in-reward KL is known here "
              "(algorithm.use_kl_in_reward=true); use seq_reward")
+
+
+def _partial_rollout(cfg: TridentConfig) -> None:
+    """trainer.partial_rollout: the separate pool's engines pause for new weights mid-generation
+    (engine/rollout/pool.py serve); only where that can happen and the pool can drive it."""
+    t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+    if not t.partial_rollout:
+        return
+    if t.rollout_pool != "separate" or t.off_policy_steps < 1:
+        fail("trainer.partial_rollout", True, "weights arrive during a generation only when a separate pool "
+             "works ahead: set trainer.rollout_pool=separate and off_policy_steps >= 1, or remove it")
+    if r.name not in ("cpu", "hf") or r.tensor_model_parallel_size != 1 or r.multi_turn.enable:
+        fail("trainer.partial_rollout", True, f"the pool pauses and continues engines of the cpu / hf backends "
+             f"at rollout TP 1, single-turn, so far (rollout.name={r.name!r}, tensor_model_parallel_size="
+             f"{r.tensor_model_parallel_size}); remove it")

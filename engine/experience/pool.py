@@ -1,14 +1,19 @@
 """Experience from a separate rollout pool (trainer.rollout_pool=separate; the pool's side is
-engine/rollout/pool.py). With `off_policy_steps` k = 1, step s+1 is requested before step s
-trains, so the pool generates it meanwhile from the weights of update s-1: staleness 1, logged as
-rollout/staleness; the old log-probs are recomputed by the actor (derive turns the on-policy
-shortcut off).
+engine/rollout/pool.py). With `off_policy_steps` k >= 1, steps s+1 .. s+k are requested before
+step s trains, so the pool generates up to k steps ahead: step s+k from the weights of update
+s-1, k versions behind when it trains (rollout/staleness: the batch's weights; per token:
+engine/experience/staleness.py, which also refuses any sample more than k versions behind and
+logs the staleness metrics); the old log-probs are recomputed by the actor (derive turns the
+on-policy shortcut off). k = 0 is the synchronous step: request, generate, train.
 
 Tests: tests/test_rollout_pool.py
 """
 from collections import deque
 
+from megatron.core import parallel_state as ps
+
 from engine.experience.base import Source
+from engine.experience.staleness import refuse_stale, staleness_metrics
 
 
 class Pool(Source):
@@ -40,7 +45,7 @@ class Pool(Source):
             return 0
         chunks, hf_config, bucket_megabytes, plan = ctx.weights()
         with ctx.phase("update_weights"):
-            sent = self.client.send_weights(chunks, hf_config, bucket_megabytes, plan=plan)
+            sent = self.client.send_weights(chunks, hf_config, bucket_megabytes, plan=plan, version=ctx.step)
         self.sent = ctx.step
         return sent
 
@@ -66,8 +71,12 @@ class Pool(Source):
                     self._draw(ctx)
                     self._request(ctx, self.pending[-1][0], step + self.k)
             self.pending.popleft()
-        return ctx.layout(prompts, got), {"perf/update_weights_gb": sent / 1e9,
-                                          "rollout/staleness": float(step - 1 - version)}
+        batch = ctx.layout(prompts, got)
+        # the policy trained is version ctx.step (the updates so far): nothing older than k
+        refused = refuse_stale(batch, ctx.step, self.k)
+        metrics = {"perf/update_weights_gb": sent / 1e9, "rollout/staleness": float(step - 1 - version)}
+        metrics.update(staleness_metrics(batch, ctx.step, self.k, refused, ps.get_data_parallel_group()))
+        return batch, metrics
 
     def _take(self, ctx):
         """The oldest requested batch (the pool answers in request order)."""

@@ -10,6 +10,15 @@ from engine.batch import Batch
 from engine.data import left_pad
 from engine.rollout.base import SamplingParams
 
+VERSIONS = "rollout_versions"  # the batch key of each response token's policy version
+
+
+def with_versions(share, versions):
+    """`share` (RolloutOutput.share: responses, log-probs, routing, masks, stats) with `versions`
+    (per response, the policy version of each token: engine/experience/staleness.py) sixth."""
+    share = tuple(share) + (None,) * (5 - len(share))
+    return share[:5] + (versions,)
+
 
 def sampling_params(rollout_cfg, stop_token_ids, step, train=True, greedy=False):
     """Training sampling (a seed per step), validation sampling (`val_kwargs`), or greedy."""
@@ -27,8 +36,9 @@ def sampling_params(rollout_cfg, stop_token_ids, step, train=True, greedy=False)
 
 def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length, raw_chat=False):
     """Batch of `rows` (this replica's prompt indices) x n samples from `got` (prompt index ->
-    RolloutOutput.share: responses, log-probs, routed experts, loss masks), engine/rollout/
-    group.py). `response_mask` is verl's: the tokens trained on (a multi-turn rollout's model
+    RolloutOutput.share: responses, log-probs, routed experts, loss masks, stats and, from a
+    separate pool, per-token policy versions: `with_versions`), engine/rollout/group.py).
+    `response_mask` is verl's: the tokens trained on (a multi-turn rollout's model
     tokens); `attention_mask` holds every valid token, observations included. `raw_chat`
     (data.return_raw_chat) keeps each row's prompt as written (chat messages or text)."""
     prompt_ids, prompt_mask = left_pad([prompts.input_ids[i] for i in rows for _ in range(n)],
@@ -52,12 +62,20 @@ def training_batch(prompts, got, rows, n, pad_id, prompt_length, response_length
         extra["routed_experts"] = [got[i][2][j] for i in rows for j in range(n)]
     if any(len(got[i]) > 4 and got[i][4] is not None for i in rows):  # multi-turn: per trajectory
         extra["multi_turn"] = [got[i][4][j] for i in rows for j in range(n)]
+    tensors = {}
+    if any(len(got[i]) > 5 and got[i][5] is not None for i in rows):  # a pool's token versions
+        versions = torch.full((len(resp_list), response_length), -1, dtype=torch.long)
+        for k, v in enumerate(got[i][5][j] for i in rows for j in range(n)):
+            v = v[:response_length]
+            versions[k, :len(v)] = torch.tensor(v, dtype=torch.long)
+        tensors[VERSIONS] = versions
     if raw_chat:
         extra["raw_prompt"] = [prompts.raw_prompts[i] for i in rows for _ in range(n)]
     return Batch(
         tensors=dict(input_ids=torch.cat([prompt_ids, resp], 1),
                      attention_mask=torch.cat([prompt_mask, valid], 1),
-                     responses=resp, response_mask=rmask, rollout_log_probs=rlp, prompt_mask=prompt_mask),
+                     responses=resp, response_mask=rmask, rollout_log_probs=rlp, prompt_mask=prompt_mask,
+                     **tensors),
         non_tensors=dict(
             uid=[prompts.indices[i] for i in rows for _ in range(n)],
             ground_truth=[prompts.ground_truths[i] for i in rows for _ in range(n)],

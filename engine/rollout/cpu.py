@@ -6,7 +6,8 @@ as RoPE frequencies are computed for real), so building costs no weight memory. 
 for the weights is allocated once per resume and weights are copied into it, so the
 process holds exactly one copy of them.
 
-Tests: tests/test_rollout_cpu.py, tests/test_reshard.py, tests/test_router_replay.py, tests/test_device_stack.py
+Tests: tests/test_rollout_cpu.py, tests/test_partial_rollouts.py, tests/test_reshard.py, tests/test_router_replay.py,
+tests/test_device_stack.py
 """
 from __future__ import annotations
 
@@ -79,17 +80,16 @@ def _checkpoint_slots(model_type: str, param_name: str, shape: torch.Size) -> li
     return slots
 
 
-def _row_uniforms(sampling: SamplingParams, keys: list) -> torch.Tensor:
+def _row_uniforms(sampling: SamplingParams, rows: list) -> torch.Tensor:
     """[rows, max_new_tokens] uniforms; row (prompt key k, sample j) draws from its own stream
-    seeded by (seed, k, j), so the same prompt samples the same way in any batch."""
+    seeded by (seed, k, j), so the same prompt samples the same way in any batch (and a row
+    resumed from its prefix reads on from where it paused)."""
     base = sampling.seed if sampling.seed is not None else int(torch.seed())
-    out = torch.empty(len(keys) * sampling.n, sampling.max_new_tokens, dtype=torch.float64)
+    out = torch.empty(len(rows), sampling.max_new_tokens, dtype=torch.float64)
     generator = torch.Generator()
-    for i, key in enumerate(keys):
-        for j in range(sampling.n):
-            generator.manual_seed(hash((base, int(key), j)) & ((1 << 63) - 1))
-            torch.rand(sampling.max_new_tokens, generator=generator, dtype=torch.float64,
-                       out=out[i * sampling.n + j])
+    for r, (key, j) in enumerate(rows):
+        generator.manual_seed(hash((base, int(key), j)) & ((1 << 63) - 1))
+        torch.rand(sampling.max_new_tokens, generator=generator, dtype=torch.float64, out=out[r])
     return out
 
 
@@ -349,30 +349,63 @@ class CPURollout(RolloutEngine):
         return scaled
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+                 keys: Optional[Sequence[int]] = None, should_pause=None) -> RolloutOutput:
         """Decodes at most `max_num_seqs` sequences at once (prompts x n); each row's sampling
-        depends only on its prompt's key, so the split does not change the responses."""
+        depends only on its prompt's key, so the split does not change the responses.
+        `should_pause()` (partial rollouts: engine/rollout/partial.py), asked after every decoded
+        token, stops the decoding there when it answers True: the rows not finished come back
+        with finish reason FINISH_PAUSED and the tokens they have; `continue_generation` goes on."""
         keys = list(range(len(prompt_ids))) if keys is None else list(keys)
-        per = max(1, self.max_num_seqs // sampling.n)
-        if len(prompt_ids) <= per:
-            return self._generate(prompt_ids, sampling, keys)
-        parts = [self._generate(prompt_ids[i:i + per], sampling, keys[i:i + per])
-                 for i in range(0, len(prompt_ids), per)]
+        specs = [(list(p), key, j, []) for p, key in zip(prompt_ids, keys) for j in range(sampling.n)]
+        return self._run(specs, sampling, should_pause)
+
+    def continue_generation(self, prompt_ids, sampling: SamplingParams, keys, partial: RolloutOutput,
+                            should_pause=None) -> RolloutOutput:
+        """Go on with `partial` (a paused generate's output, maybe with new weights loaded since):
+        every paused row continues from its prompt + the tokens it has (its prefix, prefilled
+        with the weights now loaded), its sampling reading on where it stopped, up to
+        max_new_tokens in all; rows that had finished stay. Same answer shape as generate."""
+        from engine.rollout.partial import merge_continued, paused_rows
+        keys = list(range(len(prompt_ids))) if keys is None else list(keys)
+        rows = paused_rows(partial)
+        specs = [(list(prompt_ids[r // sampling.n]), keys[r // sampling.n], r % sampling.n,
+                  list(partial.responses[r])) for r in rows]
+        return merge_continued(partial, rows, self._run(specs, sampling, should_pause) if rows else None)
+
+    def _run(self, specs, sampling, should_pause):
+        """Rows of (prompt, key, sample index, prefix) in parts of at most max_num_seqs prompts x n;
+        a pause leaves the parts not started paused with no tokens."""
+        from engine.rollout.partial import FINISH_PAUSED
+        per = max(1, self.max_num_seqs // sampling.n) * sampling.n
+        if len(specs) <= per:
+            return self._generate(specs, sampling, should_pause)
+        parts = []
+        for i in range(0, len(specs), per):
+            part = specs[i:i + per]
+            if parts and FINISH_PAUSED in parts[-1].finish_reasons:
+                parts.append(RolloutOutput([], [[] for _ in part], [[] for _ in part], [FINISH_PAUSED] * len(part)))
+            else:
+                parts.append(self._generate(part, sampling, should_pause))
         return RolloutOutput(
-            prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
+            prompt_index=[r // sampling.n for r in range(len(specs))],
             responses=[r for p in parts for r in p.responses], log_probs=[x for p in parts for x in p.log_probs],
             finish_reasons=[f for p in parts for f in p.finish_reasons],
             routed_experts=None if parts[0].routed_experts is None else
             [x for p in parts for x in p.routed_experts])
 
     @torch.no_grad()
-    def _generate(self, prompt_ids, sampling: SamplingParams, keys) -> RolloutOutput:
+    def _generate(self, specs, sampling: SamplingParams, should_pause=None) -> RolloutOutput:
+        from engine.rollout.partial import FINISH_PAUSED
         if not self._weights_ready:
             raise RuntimeError("CPURollout.generate: no weights loaded; call update_weights(...) for every "
                                "bucket and then finish_weight_update() (again after each resume_memory())")
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        if not specs or any(len(s[0]) == 0 for s in specs):
             raise ValueError("generate: prompt_ids must be a non-empty list of non-empty token id lists")
-        rows_prompts = [list(p) for p in prompt_ids for _ in range(sampling.n)]
+        offsets = torch.tensor([len(s[3]) for s in specs])  # tokens each row already has
+        if self.record_routing and bool(offsets.any()):
+            raise ValueError("continue_generation: a resumed row's routing is not recorded; "
+                             "partial rollouts need record_routing=False")
+        rows_prompts = [s[0] + s[3] for s in specs]
         rows = len(rows_prompts)
         prompt_lens = torch.tensor([len(p) for p in rows_prompts])
         width = int(prompt_lens.max())
@@ -385,7 +418,9 @@ class CPURollout(RolloutEngine):
         dev = self.device
         input_ids, attention_mask, position_ids = input_ids.to(dev), attention_mask.to(dev), position_ids.to(dev)
 
-        uniforms = None if sampling.greedy else _row_uniforms(sampling, keys).to(dev)
+        uniforms = None if sampling.greedy else _row_uniforms(sampling, [s[1:3] for s in specs]).to(dev)
+        budget = sampling.max_new_tokens - offsets  # tokens each row may still make
+        steps = int(budget.max())
         stop = set() if sampling.ignore_eos else set(self.eos_token_ids) | set(sampling.stop_token_ids)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         temperature = 1.0 if sampling.greedy else sampling.temperature
@@ -395,12 +430,13 @@ class CPURollout(RolloutEngine):
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
-        cache = _preallocated_cache(self.model.config, width + sampling.max_new_tokens)
+        cache = _preallocated_cache(self.model.config, width + steps)
+        paused = False
         with recording as record:
             logits = self._forward(input_ids, attention_mask, position_ids, cache)
             if record:
                 record(rows, width)
-            for step in range(sampling.max_new_tokens):
+            for step in range(steps):
                 scaled = logits / temperature
                 if sampling.greedy:
                     tokens = scaled.argmax(-1)
@@ -408,7 +444,8 @@ class CPURollout(RolloutEngine):
                     # inverse CDF with each row's own uniform: a row's draw does not depend on
                     # which other rows share the batch
                     cdf = self._filtered(scaled, sampling).softmax(-1).cumsum(-1)
-                    u = (uniforms[:, step:step + 1].to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
+                    at = (offsets + step).clamp(max=sampling.max_new_tokens - 1).to(dev)[:, None]
+                    u = (uniforms.gather(1, at).to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
                     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
                 token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
                 # one conversion per step, not one per row and value
@@ -417,8 +454,11 @@ class CPURollout(RolloutEngine):
                     if alive:
                         responses[r].append(t)
                         log_probs[r].append(lp)
-                finished |= torch.isin(tokens, stop_ids)
-                if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                finished |= torch.isin(tokens, stop_ids) | (budget.to(dev) <= step + 1)
+                if bool(finished.all()) or step == steps - 1:
+                    break
+                if should_pause is not None and should_pause():
+                    paused = True
                     break
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
                 position_ids = position_ids[:, -1:] + 1
@@ -428,13 +468,14 @@ class CPURollout(RolloutEngine):
         del cache
 
         stop_set = set(stop_ids.tolist())
-        finish = [FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
+        finish = [FINISH_PAUSED if paused and not finished[r] else
+                  FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
         routed = None
         if self.record_routing:
             every_position = torch.cat(routing_steps, dim=1)  # [rows, width + steps, hidden layers, top_k]
             routed = [every_position[r, width - int(prompt_lens[r]): width + len(responses[r]) - 1].clone()
                       for r in range(rows)]
-        return RolloutOutput(prompt_index=[i for i in range(len(prompt_ids)) for _ in range(sampling.n)],
+        return RolloutOutput(prompt_index=[r // sampling.n for r in range(rows)],
                              responses=responses, log_probs=log_probs, finish_reasons=finish,
                              routed_experts=routed)
 

@@ -13,12 +13,18 @@ process group over every launched rank, set up once — carries the rest:
   engine's leader. Other backends (CPU) get each bucket over the bridge: training rank j sends
   it to the pool ranks it feeds, which load it into their group's engine;
 * requests: training rank 0 sends every pool rank the same ordered stream of requests
-  (weights, generate step s, validate, stop); pool ranks serve them in order, so a request for
-  step s+1 sent before step s trains is generated while it trains (one-step off-policy);
+  (weights, generate step s, validate, stop); pool ranks serve them in order, so the requests
+  for steps s+1 .. s+k sent before step s trains are generated while it trains (k-step
+  off-policy, trainer.off_policy_steps);
 * results: each group leader sends each training DP replica's relay exactly the responses of
   that replica's prompts; the relay broadcasts them in its replica.
 
-Every batch carries the weight version it was generated with (staleness = step - 1 - version).
+Every batch carries the weight version it was generated with (staleness = step - 1 - version),
+and every response token that version (`rollout_versions`: engine/experience/staleness.py).
+With trainer.partial_rollout a sync announced while a pool rank generates (training rank 0 counts
+syncs in the launch store: `Bridge.announce`) pauses the generation at a token boundary; the rank
+reads the requests ahead up to the 'weights' message, loads the weights and continues from the
+tokens it has (engine/rollout/partial.py), each token stamped with its own version.
 The buckets are cut and renamed as for a colocated engine (engine/rollout/colocated.py:
 `bucket_bytes`, `to_hf_names`).
 
@@ -29,6 +35,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+ANNOUNCED = "trident-bridge-weights-announced"  # the store's count of weight syncs begun
 
 
 def pool_ranks(world, pool):
@@ -43,7 +52,8 @@ class Bridge:
 
     def __init__(self, rank, world, timeout_s):
         from parallel.mesh import launch_store
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("trident-bridge/", launch_store(timeout_s)), rank, world,
+        self.store = launch_store(timeout_s)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("trident-bridge/", self.store), rank, world,
                                         timedelta(seconds=timeout_s))
         self.rank, self.world, self.bytes = rank, world, 0
         self._pending = []  # (work, tensor): a send in flight keeps its buffer alive
@@ -52,6 +62,15 @@ class Bridge:
         data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
         self.send_tensor(torch.tensor([data.numel()], dtype=torch.long), dst)
         self.send_tensor(data, dst)
+
+    def announce(self):
+        """Count one more weight sync begun (training rank 0, before its 'weights' messages)."""
+        self.store.add(ANNOUNCED, 1)
+
+    def announced(self):
+        """Weight syncs begun so far (never waits: a gloo receive cannot be polled, it completes
+        only in wait(); the store's counter can)."""
+        return self.store.add(ANNOUNCED, 0)
 
     def recv(self, src):
         size = torch.empty(1, dtype=torch.long)
@@ -80,6 +99,15 @@ class Bridge:
 def _flat(named):
     """One uint8 buffer of a bucket's tensors (one message instead of one per tensor)."""
     return torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in named])
+
+
+def _stamped(out, rows, version):
+    """RolloutOutput.share of `rows`, every token stamped with its policy version: the weights'
+    `version`, or each token's own (`out.versions`, a partial rollout's)."""
+    from engine.rollout.batches import with_versions
+    versions = getattr(out, "versions", None)
+    return with_versions(out.share(rows), versions[rows] if versions is not None else
+                         [[version] * len(r) for r in out.responses[rows]])
 
 
 def _is_end(message):
@@ -133,14 +161,17 @@ class PoolClient:
         self.pg = open_as_sender(address, port, group.world_size, group.name, backend, timeout_s)
         self.update_group = group
 
-    def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None):
-        """Collective over the training world: every bucket to every pool rank."""
+    def send_weights(self, chunks, hf_config, bucket_megabytes, plan=None, version=None):
+        """Collective over the training world: every bucket to every pool rank. `version`: the
+        policy version of these weights (the updates they hold; default: one more than the last
+        sent); every token generated with them is stamped with it."""
         from engine.rollout.colocated import bucket_bytes, to_hf_names
         from parallel import fsdp
         from parallel.reshard import iter_buckets
         from engine.rollout.update_group import broadcast_bucket, manifest
-        self.version += 1
+        self.version = self.version + 1 if version is None else version
         if self.rank == 0:
+            self.bridge.announce()  # a partial rollout in flight pauses for these (serve)
             for p in self.pool:
                 self.bridge.send(("weights", self.version), p)
         sent = 0
@@ -212,11 +243,14 @@ class PoolClient:
 # Pool side
 # --------------------------------------------------------------------------------------------
 
-def serve(bridge, group, T, generate):
+def serve(bridge, group, T, generate, partial=False):
     """The pool rank's loop: serve training rank 0's requests in order until 'stop'.
 
     group: this rank's engine.rollout.group.GroupedRollout over the pool world;
-    generate(engine, prompt_ids, sampling, keys) runs the engine."""
+    generate(engine, prompt_ids, sampling, keys) runs the engine. partial
+    (trainer.partial_rollout, engines with continue_generation: engine/rollout/partial.py): new
+    weights announced while a generation runs pause it at a token boundary, are loaded, and the
+    generation goes on from the tokens it has; each token is stamped with its own version."""
     from engine.rollout.topology import overlap, split_evenly
     from engine.rollout.update_group import feeder
     direct = group.backend.WEIGHTS_FROM_DISTRIBUTED
@@ -228,32 +262,60 @@ def serve(bridge, group, T, generate):
             group.engine.join_update_group(**params)
     else:  # the training rank sending this pool rank its buckets
         source = feeder(bridge.rank - T, bridge.world - T, T)
-    version = -1
-    while True:
-        kind, msg = bridge.recv(0)
-        if kind == "stop":
-            bridge.flush()
-            return
-        if kind == "weights" and direct:
-            version = msg
+    version, taken = -1, 0  # the weights loaded, and how many syncs so far
+    inbox = []  # requests read ahead of their turn (partial rollouts look for new weights)
+
+    def take_weights(msg):
+        nonlocal version, taken
+        version, taken = msg, taken + 1
+        if direct:
             if group.is_leader:  # only the manifests come here; the tensors come over the group
                 group.begin_sync()
                 while not _is_end(head := bridge.recv(source)):
                     group.engine.update_weights_from_distributed(head)
                 group.finish_sync()
-            continue
+            return
+        group.begin_sync()
+        while True:
+            head = bridge.recv(source)  # a bucket's manifest, or the end of the stream
+            if _is_end(head):
+                break
+            buffer = torch.empty(sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel())
+                                     for _, s, d in head), dtype=torch.uint8)
+            bridge.recv_tensor(buffer, source)
+            group.load_bucket(_unflat(buffer, head))
+        group.finish_sync()
+
+    def weights_waiting():
+        # a sync announced and not taken: read the requests ahead up to its 'weights' message
+        # (its buckets follow it: left to take_weights)
+        if not any(kind == "weights" for kind, _ in inbox) and bridge.announced() > taken:
+            while not inbox or inbox[-1][0] != "weights":
+                inbox.append(bridge.recv(0))
+        return any(kind == "weights" for kind, _ in inbox)
+
+    def run_partial(engine, prompt_ids, sampling, keys):
+        from engine.rollout.partial import paused_rows, stamp
+        from parallel.cpu import suspended
+        with suspended():  # the engine runs no Megatron code (engine_generate's reason)
+            out = engine.generate(prompt_ids, sampling, keys=keys, should_pause=weights_waiting)
+        versions = stamp(None, out, version)
+        while paused_rows(out):
+            at = next(i for i, (kind, _) in enumerate(inbox) if kind == "weights")
+            take_weights(inbox.pop(at)[1])
+            with suspended():
+                out = engine.continue_generation(prompt_ids, sampling, keys, out, should_pause=weights_waiting)
+            versions = stamp(versions, out, version)
+        out.versions = versions
+        return out
+
+    while True:
+        kind, msg = inbox.pop(0) if inbox else bridge.recv(0)
+        if kind == "stop":
+            bridge.flush()
+            return
         if kind == "weights":
-            version = msg
-            group.begin_sync()
-            while True:
-                head = bridge.recv(source)  # a bucket's manifest, or the end of the stream
-                if _is_end(head):
-                    break
-                buffer = torch.empty(sum(torch.empty((), dtype=d).element_size() * int(torch.Size(s).numel())
-                                         for _, s, d in head), dtype=torch.uint8)
-                bridge.recv_tensor(buffer, source)
-                group.load_bucket(_unflat(buffer, head))
-            group.finish_sync()
+            take_weights(msg)
             continue
         if kind == "validate":
             mine, out = group.generate_split(msg["prompts"], list(range(len(msg["prompts"]))),
@@ -263,11 +325,13 @@ def serve(bridge, group, T, generate):
                 bridge.send({} if out is None else {i: out.responses[k * n:(k + 1) * n] for k, i in enumerate(mine)}, 0)
             continue
         # generate: this group's share, then each training replica's part to its relay
-        mine, out = group.generate_split(msg["prompts"], msg["keys"], msg["sampling"], generate=generate)
+        mine, out = group.generate_split(msg["prompts"], msg["keys"], msg["sampling"],
+                                         generate=run_partial if partial else generate)
         n = msg["sampling"].n
         if not group.is_leader:
             continue
-        produced = {} if out is None else {i: out.share(slice(k * n, (k + 1) * n)) for k, i in enumerate(mine)}
+        produced = {} if out is None else {i: _stamped(out, slice(k * n, (k + 1) * n), version)
+                                           for k, i in enumerate(mine)}
         shares = split_evenly(len(msg["prompts"]), len(msg["relays"]))
         for relay, share in zip(msg["relays"], shares):
             part = overlap(range(mine[0], mine[-1] + 1), share) if mine else range(0)

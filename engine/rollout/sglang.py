@@ -61,10 +61,26 @@ USED_API = {
     "imports": {
         "sglang.srt.utils.common": ["MultiprocessingSerializer"],
         "sglang.srt.utils.patch_torch": ["monkey_patch_torch_reductions"],
+        "sglang.srt.managers.io_struct": ["PauseGenerationReqInput", "ContinueGenerationReqInput"],
         "sglang.srt.model_executor.model_runner_components.weight_updater": ["LocalSerializedTensor"],
     },
     # LocalSerializedTensor(values=[one handle per TP rank])
     "LocalSerializedTensor": ["values"],
+    # partial rollouts (pause_requests / continue_requests): the control requests' fields, the pause
+    # mode, and where they act: "file:Class.function" -> fragments (the engine runs its manager's
+    # coroutines on Engine.loop; "retract" puts running requests back in the waiting queue)
+    "pause_requests": {"PauseGenerationReqInput": ["mode"], "ContinueGenerationReqInput": ["torch_empty_cache"]},
+    "pause_mode": "retract",
+    "partial_rollouts": {
+        "sglang/srt/entrypoints/engine.py:Engine.flush_cache":
+            ["self.loop.run_until_complete(self.tokenizer_manager.flush_cache())"],
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.pause_generation":
+            ["self.is_pause = True", "await self._async_dispatch_to_scheduler(obj)"],
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.continue_generation":
+            ["self.is_pause = False", "await self._async_dispatch_to_scheduler(obj)"],
+        "sglang/srt/managers/scheduler.py:Scheduler.pause_generation":
+            ["retract_all(", "self._add_request_to_queue(req)"],
+    },
     # memory tags of release / resume_memory_occupation (sglang/srt/constants.py)
     "memory_tags": ["weights", "kv_cache", "cuda_graph"],
     # Engine methods answering (success, message): a False is raised, never ignored
@@ -417,6 +433,22 @@ class SGLangRollout(RolloutEngine):
         return RolloutOutput(prompt_index=prompt_index, responses=[p[0] for p in parsed],
                              log_probs=[p[1] for p in parsed], finish_reasons=[p[2] for p in parsed],
                              routed_experts=[p[3] for p in parsed] if self.record_routing else None)
+
+    # -- partial rollouts (engine/rollout/partial.py) --------------------------------------
+    def pause_requests(self) -> None:
+        """The requests in flight stop where they are and wait, with their tokens, in the
+        scheduler's queue ("retract": their KV is freed and prefilled again, prefix included, with
+        whatever weights are loaded before `continue_requests`); nothing is discarded. Run on the
+        engine's event loop, as sglang's own control calls are."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+        request = PauseGenerationReqInput(mode=USED_API["pause_mode"])
+        self.engine.loop.run_until_complete(self.engine.tokenizer_manager.pause_generation(request))
+
+    def continue_requests(self) -> None:
+        """The paused requests go on (after a weight update: from their prefix, new weights)."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+        request = ContinueGenerationReqInput(torch_empty_cache=False)
+        self.engine.loop.run_until_complete(self.engine.tokenizer_manager.continue_generation(request))
 
     # -- memory ----------------------------------------------------------------------------
     @staticmethod

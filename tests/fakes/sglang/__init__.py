@@ -96,6 +96,10 @@ class Engine:
         self.schedulers = launch_scheduler_processes(kwargs)
         self.environ_at_start = dict(os.environ)
         _record("init", kwargs=kwargs, schedulers=[info for _, _, info in self.schedulers])
+        # sglang/srt/entrypoints/engine.py: the engine's tokenizer manager answers the control
+        # requests (pause / continue: tests/fakes/sglang/srt/managers/tokenizer_manager.py)
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        self.tokenizer_manager = TokenizerManager(_record)
         self.kwargs = kwargs
         self.generator = random.Random(kwargs.get("random_seed", 0))  # sglang seeds its schedulers so
         self.rollout = None
