@@ -47,6 +47,45 @@ def test_step_json_through_the_sglang_double_on_the_callers_path(tmp_path):
     assert report["wall_s"] > report["step_s"]
 
 
+# ~40 s quiet (the trainer, then the plain loop); the table's arithmetic is checked fast below
+@pytest.mark.slow
+def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
+    """--baseline: the plain loop timed phase by phase under Trident's names; it runs the old
+    log-prob pass exactly when Trident does (the tiny recipe's 4 mini-batches: off-policy)."""
+    report = _bench(tmp_path, "step", "--workload", "tiny", "--nproc", "1", "--steps", "1",
+                    "--warmup", "0", "--baseline")
+    base = report["baseline"]
+    assert set(report["phases_s"]) >= {"gen", "old_log_prob", "ref", "update_actor", "update_weights"}
+    assert set(base["phases_s"]) == {"gen", "old_log_prob", "ref", "update_actor", "update_weights", "other"}
+    assert base["phases_s"]["update_weights"] == 0.0  # the loop generates with the trained model
+    assert all(base["phases_s"][p] > 0 for p in ("gen", "old_log_prob", "ref", "update_actor"))
+    assert sum(base["phases_s"].values()) == pytest.approx(base["step_s"], rel=0.05)
+    for phase, seconds in base["phases_s"].items():
+        ours = report["compared_phases_s"][phase]
+        if phase != "other":
+            assert ours == report["phases_s"][phase]
+        assert report["ratios"][phase] == (pytest.approx(seconds / ours) if ours > 0 else None)
+    assert report["speedup_vs_transformers"] == pytest.approx(base["step_s"] / report["step_s"])
+
+
+def test_baseline_comparison_per_phase():
+    """compare_baseline on figures worked by hand: Trident's phases it has no counterpart for
+    (reward, adv) fall in `other`; an on-policy step (no old_log_prob either side) lists none."""
+    sys.path.insert(0, ROOT)
+    from tools.bench_step import compare_baseline
+    summary = {"step_s": 4.0, "phases_s": {"gen": 1.0, "ref": 0.5, "reward": 0.1, "adv": 0.1,
+                                           "update_actor": 2.0, "update_weights": 0.2}}
+    base = {"step": 5.0, "gen": 2.0, "ref": 0.5, "update_actor": 2.2}
+    out = compare_baseline(summary, base)
+    assert out["baseline"]["phases_s"] == pytest.approx(
+        {"gen": 2.0, "ref": 0.5, "update_actor": 2.2, "update_weights": 0.0, "other": 0.3})
+    assert out["compared_phases_s"] == pytest.approx(
+        {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "update_weights": 0.2, "other": 0.3})
+    assert out["ratios"] == pytest.approx({"gen": 2.0, "ref": 1.0, "update_actor": 1.1,
+                                           "update_weights": 0.0, "other": 1.0})
+    assert out["speedup_vs_transformers"] == pytest.approx(1.25) and out["baseline_step_s"] == 5.0
+
+
 def test_kernels_json_checksums_match_a_log_softmax_computed_here(tmp_path):
     tokens, hidden, vocab = 48, 16, 200
     report = _bench(tmp_path, "kernels", "--tokens", str(tokens), "--hidden", str(hidden), "--vocab",

@@ -204,9 +204,39 @@ def run(args):
         summary["overlap"] = compare_overlap(recipe, overrides, args)
     if args.baseline:
         from tools.bench_baseline import run_baseline
-        base_s = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
-        summary["baseline_step_s"] = base_s
-        summary["speedup_vs_transformers"] = base_s / summary["step_s"]
-        print(f"plain transformers loop: {base_s:.2f} s/step -> Trident is "
-              f"{summary['speedup_vs_transformers']:.2f}x its speed")
+        base = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
+        summary.update(compare_baseline(summary, base))
+        print_comparison(summary)
     return summary
+
+
+# the phases both sides time; Trident's other phases (reward, adv, ...) fall in "other"
+BASELINE_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+def compare_baseline(summary, base):
+    """The plain loop's seconds per phase beside Trident's and their ratios, baseline seconds
+    over Trident's (Trident's speed relative to the loop's: > 1 is faster). A phase one side
+    does not run is 0 s there; its ratio is None where Trident's time is 0, and 0 where only
+    Trident runs it (the weight hand-off: the loop generates with the model it trains)."""
+    ours = summary["phases_s"]
+    phases = {p: base.get(p, 0.0) for p in BASELINE_PHASES if p in ours or p in base}
+    phases["other"] = max(base["step"] - sum(phases.values()), 0.0)
+    trident = {p: ours.get(p, 0.0) for p in phases if p != "other"}
+    trident["other"] = max(summary["step_s"] - sum(trident.values()), 0.0)
+    ratio = lambda b, t: b / t if t > 0 else None  # noqa: E731
+    return {"baseline_step_s": base["step"], "speedup_vs_transformers": base["step"] / summary["step_s"],
+            "baseline": {"step_s": base["step"], "phases_s": phases},
+            "ratios": {p: ratio(phases[p], trident[p]) for p in phases},
+            "compared_phases_s": trident}
+
+
+def print_comparison(summary):
+    base, ours = summary["baseline"]["phases_s"], summary["compared_phases_s"]
+    print(f"\n{'phase':<16}{'trident (s)':>12}{'baseline (s)':>14}{'ratio':>8}   "
+          "(ratio: baseline / Trident seconds, > 1: Trident faster)")
+    for p in base:
+        r = summary["ratios"][p]
+        print(f"{p:<16}{ours[p]:12.3f}{base[p]:14.3f}{'-' if r is None else f'{r:.2f}x':>8}")
+    print(f"{'step':<16}{summary['step_s']:12.3f}{summary['baseline_step_s']:14.3f}"
+          f"{summary['speedup_vs_transformers']:7.2f}x")
