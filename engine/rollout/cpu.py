@@ -390,8 +390,9 @@ class CPURollout(RolloutEngine):
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         temperature = 1.0 if sampling.greedy else sampling.temperature
 
-        responses = [[] for _ in range(rows)]
-        log_probs = [[] for _ in range(rows)]
+        # each step's tokens, log-probs and which rows were still decoding stay on the device;
+        # they are read back once at the end (one host sync per step at most: the stop check)
+        step_tokens, step_logps, step_alive = [], [], []
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
@@ -410,15 +411,14 @@ class CPURollout(RolloutEngine):
                     cdf = self._filtered(scaled, sampling).softmax(-1).cumsum(-1)
                     u = (uniforms[:, step:step + 1].to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
                     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-                token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-                # one conversion per step, not one per row and value
-                for r, alive, t, lp in zip(range(rows), (~finished).tolist(), tokens.tolist(),
-                                           token_logp.tolist()):
-                    if alive:
-                        responses[r].append(t)
-                        log_probs[r].append(lp)
-                finished |= torch.isin(tokens, stop_ids)
-                if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                step_logps.append(scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+                step_tokens.append(tokens)
+                step_alive.append(~finished)
+                if stop:  # else no row finishes before max_new_tokens: nothing to ask the device
+                    finished |= torch.isin(tokens, stop_ids)
+                    if bool(finished.all()):
+                        break
+                if step == sampling.max_new_tokens - 1:
                     break
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
                 position_ids = position_ids[:, -1:] + 1
@@ -426,6 +426,10 @@ class CPURollout(RolloutEngine):
                 if record:
                     record(rows, 1)
         del cache
+        # a row decodes until its stop token (included), so its alive steps are a prefix
+        lengths = torch.stack(step_alive, 1).sum(1).tolist()
+        responses = [t[:n] for t, n in zip(torch.stack(step_tokens, 1).tolist(), lengths)]
+        log_probs = [lp[:n] for lp, n in zip(torch.stack(step_logps, 1).tolist(), lengths)]
 
         stop_set = set(stop_ids.tolist())
         finish = [FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
