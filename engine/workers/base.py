@@ -448,8 +448,7 @@ class MegatronWorker:
             b.grad_data for c in self.chunks
             for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
         grads = buffers or model_grads(self.chunks)
-        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        flag = torch.tensor([0.0 if bool(ok) else 1.0])
+        flag = torch.tensor([0.0 if all_finite(grads) else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0
 
@@ -486,6 +485,20 @@ class MegatronWorker:
     def dp_all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(values, group=ps.get_data_parallel_group())
         return values
+
+
+def all_finite(tensors) -> bool:
+    """Whether every element of `tensors` is finite. A NaN or an infinity makes a sum
+    non-finite, so one reduction per tensor answers (isfinite is three passes and a mask over
+    each gradient buffer: a twentieth of a 75M model's step on CPU); only a non-finite sum, which
+    finite values can also reach by overflowing, is checked element by element."""
+    if not tensors:
+        return True
+    sums = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else t.new_zeros((), dtype=torch.float32)
+                        for t in tensors])
+    if bool(torch.isfinite(sums).all()):  # one host read
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def global_counts(normaliser, group):
