@@ -47,14 +47,18 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     on_policy = d.step.reuse_old_log_prob  # decided once, as the trainer's (engine/config/steps.py)
     times = []
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         phases = {}
-        clock = [t0]
+        clock = [t0, c0]
 
-        def lap(name):  # the time since the last lap, under a Trident phase name
-            now = time.perf_counter()
+        def lap(name):  # wall and CPU seconds since the last lap, under a Trident phase name
+            now, cpu = time.perf_counter(), time.process_time()
             phases[name] = phases.get(name, 0.0) + now - clock[0]
-            clock[0] = now
+            phases["cpu/" + name] = phases.get("cpu/" + name, 0.0) + cpu - clock[1]
+            clock[:] = now, cpu
+
+        def skip():  # bookkeeping in no phase
+            clock[:] = time.perf_counter(), time.process_time()
         batch = [tok.apply_chat_template(rows[(step * 64 + i) % len(rows)]["prompt"],
                                          tokenize=True)["input_ids"]
                  for i in range(prompts_per_rank)]
@@ -75,7 +79,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             logits = model(input_ids=s, attention_mask=m).logits[:, longest - 1:-1].float()
             return torch.log_softmax(logits, -1).gather(-1, s[:, longest:, None]).squeeze(-1)
 
-        clock[0] = time.perf_counter()  # the mask is bookkeeping, in no phase
+        skip()  # the mask is bookkeeping
         with torch.no_grad():
             old = None if on_policy else torch.cat(
                 [logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
@@ -86,7 +90,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
                               for i in range(0, len(seqs), micro)])
             lap("ref")
         adv = torch.randn(len(seqs), 1)
-        clock[0] = time.perf_counter()
+        skip()
         for start in range(0, len(seqs), mini):
             opt.zero_grad()
             for i in range(start, min(start + mini, len(seqs)), micro):
@@ -99,14 +103,15 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
         lap("update_actor")
-        phases["step"] = time.perf_counter() - t0
+        phases["step"], phases["cpu/step"] = time.perf_counter() - t0, time.process_time() - c0
         times.append(phases)
     out.put((rank, times))
 
 
 def run_baseline(recipe, overrides, nproc, steps):
-    """{"step": s, phase: s, ...}: per step the slowest rank's seconds of each phase, then the
-    median over the steps after the first (warm-up) one."""
+    """{"step": s, phase: s, ..., "cpu/step": s, "cpu/<phase>": s}: per step the slowest rank's
+    wall (and CPU) seconds of each phase, then the median over the steps after the first
+    (warm-up) one."""
     import multiprocessing as mp
     import statistics
 
