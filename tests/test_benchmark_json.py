@@ -47,7 +47,7 @@ def test_step_json_through_the_sglang_double_on_the_callers_path(tmp_path):
     assert report["wall_s"] > report["step_s"]
 
 
-# ~40 s quiet (the trainer, then the plain loop); the table's arithmetic is checked fast below
+# ~25 s quiet (the trainer, then the plain loop); the table's arithmetic is checked fast below
 @pytest.mark.slow
 def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
     """--baseline: the plain loop timed phase by phase under Trident's names; it runs the old

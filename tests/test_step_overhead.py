@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.workers.base import all_finite
+from engine.workers.finite import all_finite
 
 
 @pytest.mark.parametrize("values, dtype", [

@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
+from engine.workers.finite import all_finite
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
 from parallel import fsdp
@@ -485,20 +486,6 @@ class MegatronWorker:
     def dp_all_reduce(self, values: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(values, group=ps.get_data_parallel_group())
         return values
-
-
-def all_finite(tensors) -> bool:
-    """Whether every element of `tensors` is finite. A NaN or an infinity makes a sum
-    non-finite, so one reduction per tensor answers (isfinite is three passes and a mask over
-    each gradient buffer: a twentieth of a 75M model's step on CPU); only a non-finite sum, which
-    finite values can also reach by overflowing, is checked element by element."""
-    if not tensors:
-        return True
-    sums = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else t.new_zeros((), dtype=torch.float32)
-                        for t in tensors])
-    if bool(torch.isfinite(sums).all()):  # one host read
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def global_counts(normaliser, group):
