@@ -310,20 +310,27 @@ class MetricsLogger:
 
 
 class Timer:
-    """`with Timer("gen", timings):` adds the elapsed seconds to timings["timing_s/gen"]."""
+    """`with Timer("gen", timings):` adds the elapsed seconds to timings["timing_s/gen"]; with
+    `cpu=` a dict, also this process's CPU seconds (all its threads) to cpu["perf/cpu_s/gen"]:
+    the figure other jobs on a shared machine barely move (tools/benchmark.py step compares
+    phases by both)."""
 
-    def __init__(self, name, timings):
+    def __init__(self, name, timings, cpu=None):
         self.key = f"timing_s/{name}"
         self.timings = timings
+        self.cpu, self.cpu_key = cpu, f"perf/cpu_s/{name}"
         self.elapsed = 0.0
 
     def __enter__(self):
         self._start = time.perf_counter()
+        self._cpu_start = time.process_time()
         return self
 
     def __exit__(self, *exc):
         self.elapsed = time.perf_counter() - self._start
         self.timings[self.key] = self.timings.get(self.key, 0.0) + self.elapsed
+        if self.cpu is not None:
+            self.cpu[self.cpu_key] = self.cpu.get(self.cpu_key, 0.0) + time.process_time() - self._cpu_start
         return False
 
 

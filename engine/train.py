@@ -412,6 +412,8 @@ def _main(argv=None):
         else:
             derived, components = build(cfg, dist.get_world_size(), watch=watch, prepared=prepared, bridge=bridge)
             trainer = Trainer(derived, components)
+            from parallel.device_memory import freeze_long_lived
+            freeze_long_lived()  # the hand-off's garbage collections scan only the steps' objects
             set_phase("training")
             trainer.fit()
     except Exception as e:

@@ -143,7 +143,7 @@ class Trainer(Loop):
         """One PPO iteration on a batch of prompts, a column of phases; returns its metrics."""
         ctx = self.ctx
         timings = ctx.begin_step()
-        with Timer("step", timings):
+        with Timer("step", timings, cpu=ctx.cpu_timings):
             batch, metrics = self.experience.collect(ctx, prompts)  # update_weights, gen (...)
             batch = ctx.balance(batch, metrics)  # trainer.balance_batch: even tokens per DP rank
             if "token_level_scores" not in batch:  # else logged, or scored by the source
@@ -250,6 +250,7 @@ class Trainer(Loop):
         reads the update's KL and entropy from them) and the data policy's counts."""
         metrics.update(self._global_data_metrics(batch))
         metrics.update(timings)
+        metrics.update(self.ctx.cpu_timings)  # perf/cpu_s/<phase>: CPU seconds of this process
         if self.comm is not None:  # seconds blocked in collectives, per phase
             metrics.update({f"perf/comm_s/{k}": v for k, v in self.comm.seconds.items()})
             self.comm.seconds.clear()

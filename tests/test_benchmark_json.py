@@ -47,6 +47,67 @@ def test_step_json_through_the_sglang_double_on_the_callers_path(tmp_path):
     assert report["wall_s"] > report["step_s"]
 
 
+# ~25 s quiet (the trainer, then the plain loop); the table's arithmetic is checked fast below
+@pytest.mark.slow
+def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
+    """--baseline: the plain loop timed phase by phase under Trident's names; it runs the old
+    log-prob pass exactly when Trident does (the tiny recipe's 4 mini-batches: off-policy)."""
+    report = _bench(tmp_path, "step", "--workload", "tiny", "--nproc", "1", "--steps", "1",
+                    "--warmup", "0", "--baseline")
+    base = report["baseline"]
+    assert set(report["phases_s"]) >= {"gen", "old_log_prob", "ref", "update_actor", "update_weights"}
+    assert set(base["phases_s"]) == {"gen", "old_log_prob", "ref", "update_actor", "update_weights", "other"}
+    assert base["phases_s"]["update_weights"] == 0.0  # the loop generates with the trained model
+    assert all(base["phases_s"][p] > 0 for p in ("gen", "old_log_prob", "ref", "update_actor"))
+    assert sum(base["phases_s"].values()) == pytest.approx(base["step_s"], rel=0.05)
+    for phase, seconds in base["phases_s"].items():
+        ours = report["compared_phases_s"][phase]
+        if phase != "other":
+            assert ours == report["phases_s"][phase]
+        assert report["ratios"][phase] == (pytest.approx(seconds / ours) if ours > 0 else None)
+    assert report["speedup_vs_transformers"] == pytest.approx(base["step_s"] / report["step_s"])
+    # the same by CPU seconds, both sides measured in their own processes
+    cpu = base["cpu_phases_s"]
+    assert set(cpu) == set(base["phases_s"]) and cpu["update_weights"] == 0.0
+    assert all(cpu[p] > 0 for p in ("gen", "old_log_prob", "ref", "update_actor"))
+    assert set(report["cpu_phases_s"]) == set(report["phases_s"]) - {"reward", "adv"} | (
+        set(report["cpu_phases_s"]) & {"reward", "adv"})
+    assert report["cpu_speedup_vs_transformers"] == pytest.approx(base["cpu_step_s"] / report["cpu_step_s"])
+    for phase, seconds in cpu.items():
+        ours = report["compared_cpu_phases_s"][phase]
+        assert report["cpu_ratios"][phase] == (pytest.approx(seconds / ours) if ours > 0 else None)
+
+
+def test_baseline_comparison_per_phase():
+    """compare_baseline on figures worked by hand: Trident's phases it has no counterpart for
+    (reward, adv) fall in `other`; an on-policy step (no old_log_prob either side) lists none."""
+    sys.path.insert(0, ROOT)
+    from tools.bench_step import compare_baseline
+    summary = {"step_s": 4.0, "phases_s": {"gen": 1.0, "ref": 0.5, "reward": 0.1, "adv": 0.1,
+                                           "update_actor": 2.0, "update_weights": 0.2}}
+    base = {"step": 5.0, "gen": 2.0, "ref": 0.5, "update_actor": 2.2}
+    out = compare_baseline(summary, base)
+    assert out["baseline"]["phases_s"] == pytest.approx(
+        {"gen": 2.0, "ref": 0.5, "update_actor": 2.2, "update_weights": 0.0, "other": 0.3})
+    assert out["compared_phases_s"] == pytest.approx(
+        {"gen": 1.0, "ref": 0.5, "update_actor": 2.0, "update_weights": 0.2, "other": 0.3})
+    assert out["ratios"] == pytest.approx({"gen": 2.0, "ref": 1.0, "update_actor": 1.1,
+                                           "update_weights": 0.0, "other": 1.0})
+    assert out["speedup_vs_transformers"] == pytest.approx(1.25) and out["baseline_step_s"] == 5.0
+    assert "cpu_ratios" not in out  # no CPU figures given: none compared
+    summary.update(cpu_step_s=2.2, cpu_phases_s={"gen": 0.5, "ref": 0.5, "update_actor": 1.0,
+                                                 "update_weights": 0.1})
+    base.update({"cpu/step": 3.0, "cpu/gen": 1.0, "cpu/ref": 0.25, "cpu/update_actor": 1.5})
+    out = compare_baseline(summary, base)
+    assert out["baseline"]["cpu_phases_s"] == pytest.approx(
+        {"gen": 1.0, "ref": 0.25, "update_actor": 1.5, "update_weights": 0.0, "other": 0.25})
+    assert out["compared_cpu_phases_s"] == pytest.approx(
+        {"gen": 0.5, "ref": 0.5, "update_actor": 1.0, "update_weights": 0.1, "other": 0.1})
+    assert out["cpu_ratios"] == pytest.approx({"gen": 2.0, "ref": 0.5, "update_actor": 1.5,
+                                               "update_weights": 0.0, "other": 2.5})
+    assert out["cpu_speedup_vs_transformers"] == pytest.approx(3.0 / 2.2)
+
+
 def test_kernels_json_checksums_match_a_log_softmax_computed_here(tmp_path):
     tokens, hidden, vocab = 48, 16, 200
     report = _bench(tmp_path, "kernels", "--tokens", str(tokens), "--hidden", str(hidden), "--vocab",

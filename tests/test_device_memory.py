@@ -178,3 +178,33 @@ def test_colocated_engine_gets_its_share_and_training_hands_memory_back(tmp_path
             training = sum(sum(states.values()) for states in e["models"].values())
             assert e["device"]["reserved"] == training, (rank, e)  # nothing left in the cache
             assert e["device"]["free"] == capacity - training - int(FRACTION * capacity), (rank, e)
+
+
+class _Cycle:
+    """A tensor held only by a reference cycle: freed by a full collection, not by refcounts."""
+
+    def __init__(self):
+        self.me, self.t = self, torch.zeros(4)
+
+
+def test_freezing_the_built_run_keeps_collecting_what_steps_drop():
+    """freeze_long_lived (engine/train.py, once the run is built) takes what lives now out of
+    the full collections of return_to_device; start-up garbage is collected first, never
+    frozen, and a cycle a step drops later is still freed."""
+    import gc
+    import weakref
+
+    from parallel import device_memory
+    kept = [{} for _ in range(5000)]  # long-lived objects of the built run
+    startup = weakref.ref(_Cycle())  # start-up garbage, unreachable already
+    try:
+        frozen = device_memory.freeze_long_lived()
+        assert startup() is None  # collected before the freeze, not kept for ever
+        assert frozen == gc.get_freeze_count() >= len(kept)
+        dropped = weakref.ref(_Cycle())  # what a step leaves in a cycle
+        assert dropped() is not None  # only a collection frees it
+        device_memory.return_to_device()
+        assert dropped() is None
+    finally:
+        gc.unfreeze()
+    del kept

@@ -58,6 +58,26 @@ def test_a_phase_moves_memory_times_itself_and_tells_the_launcher_and_the_watch(
     assert (current_phase(), watch.phase, comm.phase) == ("training", "old_log_prob", "other")
 
 
+def test_a_phase_counts_its_cpu_seconds_apart_from_its_wall_seconds():
+    """perf/cpu_s/<phase>: this process's CPU time, which waiting does not add to (on a shared
+    machine, the figure the step benchmark compares beside wall-clock time)."""
+    import time
+    ctx = _ctx()
+    timings = ctx.begin_step()
+    with ctx.phase("gen"):
+        time.sleep(0.2)
+    with ctx.phase("ref"):
+        end = time.process_time() + 0.1
+        while time.process_time() < end:
+            pass
+    cpu = ctx.cpu_timings
+    assert set(cpu) == {"perf/cpu_s/gen", "perf/cpu_s/ref"} and set(timings) == {"timing_s/gen", "timing_s/ref"}
+    assert timings["timing_s/gen"] >= 0.2 and cpu["perf/cpu_s/gen"] < 0.05
+    assert cpu["perf/cpu_s/ref"] >= 0.1 and timings["timing_s/ref"] >= cpu["perf/cpu_s/ref"] - 0.01
+    ctx.begin_step()
+    assert ctx.cpu_timings == {}
+
+
 def test_nested_phases_return_memory_and_names_to_the_outer_phase():
     ctx = _ctx()
     timings = ctx.begin_step()

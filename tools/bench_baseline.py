@@ -6,7 +6,11 @@ the baseline): `model.generate` with a KV cache, the old log-probs and the refer
 Trident's step is on-policy and takes the old log-probs from the update's forward
 (`Derived.step.reuse_old_log_prob`), the baseline does the same, so both do the same work.
 
-Tests: tests/test_benchmark_json.py (runs `step` without --baseline: nothing runs this loop yet)
+Each step is timed phase by phase under Trident's phase names (gen, old_log_prob, ref,
+update_actor; the weight hand-off is none: generation uses the trained model itself), so
+`tools/benchmark.py step --baseline` prints a ratio per phase.
+
+Tests: tests/test_benchmark_json.py
 """
 import os
 import sys
@@ -43,7 +47,18 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     on_policy = d.step.reuse_old_log_prob  # decided once, as the trainer's (engine/config/steps.py)
     times = []
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        phases = {}
+        clock = [t0, c0]
+
+        def lap(name):  # wall and CPU seconds since the last lap, under a Trident phase name
+            now, cpu = time.perf_counter(), time.process_time()
+            phases[name] = phases.get(name, 0.0) + now - clock[0]
+            phases["cpu/" + name] = phases.get("cpu/" + name, 0.0) + cpu - clock[1]
+            clock[:] = now, cpu
+
+        def skip():  # bookkeeping in no phase
+            clock[:] = time.perf_counter(), time.process_time()
         batch = [tok.apply_chat_template(rows[(step * 64 + i) % len(rows)]["prompt"],
                                          tokenize=True)["input_ids"]
                  for i in range(prompts_per_rank)]
@@ -57,19 +72,25 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             seqs = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True,
                                    max_new_tokens=width, min_new_tokens=width,
                                    num_return_sequences=n, pad_token_id=tok.pad_token_id)
+        lap("gen")  # with the prompts' tokenisation, as Trident's gen phase
         full_mask = torch.cat([mask.repeat_interleave(n, 0), torch.ones(seqs.shape[0], width, dtype=torch.long)], 1)
 
         def logp(model, s, m):
             logits = model(input_ids=s, attention_mask=m).logits[:, longest - 1:-1].float()
             return torch.log_softmax(logits, -1).gather(-1, s[:, longest:, None]).squeeze(-1)
 
+        skip()  # the mask is bookkeeping
         with torch.no_grad():
             old = None if on_policy else torch.cat(
                 [logp(policy, seqs[i:i + micro], full_mask[i:i + micro])
                  for i in range(0, len(seqs), micro)])
+            if old is not None:
+                lap("old_log_prob")
             refl = torch.cat([logp(ref, seqs[i:i + micro], full_mask[i:i + micro])
                               for i in range(0, len(seqs), micro)])
+            lap("ref")
         adv = torch.randn(len(seqs), 1)
+        skip()
         for start in range(0, len(seqs), mini):
             opt.zero_grad()
             for i in range(start, min(start + mini, len(seqs)), micro):
@@ -81,12 +102,16 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
-        times.append(time.perf_counter() - t0)
+        lap("update_actor")
+        phases["step"], phases["cpu/step"] = time.perf_counter() - t0, time.process_time() - c0
+        times.append(phases)
     out.put((rank, times))
 
 
 def run_baseline(recipe, overrides, nproc, steps):
-    """Median seconds per step of the slowest rank (after the first, warm-up, step)."""
+    """{"step": s, phase: s, ..., "cpu/step": s, "cpu/<phase>": s}: per step the slowest rank's
+    wall (and CPU) seconds of each phase, then the median over the steps after the first
+    (warm-up) one."""
     import multiprocessing as mp
     import statistics
 
@@ -99,5 +124,6 @@ def run_baseline(recipe, overrides, nproc, steps):
     results = dict(out.get(timeout=3600) for _ in procs)
     for p in procs:
         p.join()
-    per_step = [max(results[r][s] for r in results) for s in range(steps)]
-    return statistics.median(per_step[1:] or per_step)
+    measured = range(1, steps) if steps > 1 else range(steps)
+    return {name: statistics.median(max(results[r][s][name] for r in results) for s in measured)
+            for name in results[0][0]}

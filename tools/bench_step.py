@@ -116,6 +116,9 @@ def summarise(records, warmup):
            "tokens_per_step": med("perf/total_num_tokens"),
            "mfu_actor_update": med("perf/mfu/actor_update")}
     out["phases_s"] = {p: med(f"timing_s/{p}") for p in PHASES if med(f"timing_s/{p}") is not None}
+    # CPU seconds of rank 0's process per phase: barely moved by other jobs on a shared machine
+    out["cpu_step_s"] = med("perf/cpu_s/step")
+    out["cpu_phases_s"] = {p: med(f"perf/cpu_s/{p}") for p in PHASES if med(f"perf/cpu_s/{p}") is not None}
     out["comm_s"] = {p: med(f"perf/comm_s/{p}") for p in PHASES + ("other",)
                      if med(f"perf/comm_s/{p}") is not None}
     return out
@@ -204,9 +207,62 @@ def run(args):
         summary["overlap"] = compare_overlap(recipe, overrides, args)
     if args.baseline:
         from tools.bench_baseline import run_baseline
-        base_s = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
-        summary["baseline_step_s"] = base_s
-        summary["speedup_vs_transformers"] = base_s / summary["step_s"]
-        print(f"plain transformers loop: {base_s:.2f} s/step -> Trident is "
-              f"{summary['speedup_vs_transformers']:.2f}x its speed")
+        base = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
+        summary.update(compare_baseline(summary, base))
+        print_comparison(summary)
     return summary
+
+
+# the phases both sides time; Trident's other phases (reward, adv, ...) fall in "other"
+BASELINE_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+def _side_by_side(ours, ours_step, base, base_step):
+    """(baseline seconds, Trident seconds, ratios) per compared phase, `other` the rest."""
+    phases = {p: base.get(p, 0.0) for p in BASELINE_PHASES if p in ours or p in base}
+    phases["other"] = max(base_step - sum(phases.values()), 0.0)
+    trident = {p: ours.get(p, 0.0) for p in phases if p != "other"}
+    trident["other"] = max(ours_step - sum(trident.values()), 0.0)
+    ratio = lambda b, t: b / t if t > 0 else None  # noqa: E731
+    return phases, trident, {p: ratio(phases[p], trident[p]) for p in phases}
+
+
+def compare_baseline(summary, base):
+    """The plain loop's seconds per phase beside Trident's and their ratios, baseline seconds
+    over Trident's (Trident's speed relative to the loop's: > 1 is faster). A phase one side
+    does not run is 0 s there; its ratio is None where Trident's time is 0, and 0 where only
+    Trident runs it (the weight hand-off: the loop generates with the model it trains). The
+    same by CPU seconds (`cpu_ratios`) when both sides measured them: on a shared machine the
+    wall-clock ratios move with the other jobs, the CPU ones much less."""
+    phases, trident, ratios = _side_by_side(summary["phases_s"], summary["step_s"], base, base["step"])
+    out = {"baseline_step_s": base["step"], "speedup_vs_transformers": base["step"] / summary["step_s"],
+           "baseline": {"step_s": base["step"], "phases_s": phases},
+           "ratios": ratios, "compared_phases_s": trident}
+    if summary.get("cpu_step_s") and "cpu/step" in base:
+        cpu_base = {k[4:]: v for k, v in base.items() if k.startswith("cpu/")}
+        phases, trident, ratios = _side_by_side(summary["cpu_phases_s"], summary["cpu_step_s"],
+                                                cpu_base, cpu_base["step"])
+        out["baseline"].update(cpu_step_s=cpu_base["step"], cpu_phases_s=phases)
+        out.update(cpu_ratios=ratios, compared_cpu_phases_s=trident,
+                   cpu_speedup_vs_transformers=cpu_base["step"] / summary["cpu_step_s"])
+    return out
+
+
+def print_comparison(summary):
+    base, ours, cpu = summary["baseline"]["phases_s"], summary["compared_phases_s"], "cpu_ratios" in summary
+    print(f"\n{'phase':<16}{'trident (s)':>12}{'baseline (s)':>14}{'ratio':>8}"
+          + (f"{'cpu trident':>13}{'cpu baseline':>14}{'cpu ratio':>10}" if cpu else "")
+          + "   (ratio: baseline / Trident seconds, > 1: Trident faster)")
+    show = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    for p in base:
+        row = f"{p:<16}{ours[p]:12.3f}{base[p]:14.3f}{show(summary['ratios'][p]):>8}"
+        if cpu:
+            row += (f"{summary['compared_cpu_phases_s'][p]:13.3f}"
+                    f"{summary['baseline']['cpu_phases_s'][p]:14.3f}{show(summary['cpu_ratios'][p]):>10}")
+        print(row)
+    row = (f"{'step':<16}{summary['step_s']:12.3f}{summary['baseline_step_s']:14.3f}"
+           f"{show(summary['speedup_vs_transformers']):>8}")
+    if cpu:
+        row += (f"{summary['cpu_step_s']:13.3f}{summary['baseline']['cpu_step_s']:14.3f}"
+                f"{show(summary['cpu_speedup_vs_transformers']):>10}")
+    print(row)

@@ -73,6 +73,7 @@ class StepContext:
     step: int = 0             # steps completed (the one being trained is step + 1)
     first_step: int = 0       # the step the run started (or resumed) from
     timings: dict = dataclasses.field(default_factory=dict)
+    cpu_timings: dict = dataclasses.field(default_factory=dict)  # perf/cpu_s/<phase>
     run_engine: Callable = engine_generate  # one engine's generate call (tests wrap it)
     _stack: list = dataclasses.field(default_factory=list)
 
@@ -94,7 +95,7 @@ class StepContext:
             self._announce(name)
             if _moves_memory(name):
                 self.colocated.enter(name)
-            with Timer(name, self.timings):
+            with Timer(name, self.timings, cpu=self.cpu_timings):
                 yield
         finally:
             self._stack.pop()
@@ -111,8 +112,8 @@ class StepContext:
             self.comm.phase = name or "other"
 
     def begin_step(self):
-        """A fresh timings dict for the step about to run."""
-        self.timings = {}
+        """A fresh timings dict for the step about to run (and a fresh `cpu_timings`)."""
+        self.timings, self.cpu_timings = {}, {}
         return self.timings
 
     # -- rollout --------------------------------------------------------------------------

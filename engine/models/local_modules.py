@@ -89,22 +89,37 @@ class CoreAttention(torch.nn.Module):
         batches pack many short sequences): sequences of equal length are gathered into one
         batched attention call (GRPO's samples of one prompt often share a length), one call
         per distinct length."""
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
-            else params.cu_seqlens_q
-        cu = cu.to(torch.long).cpu()
-        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
         out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-        for length in lengths.unique().tolist():
-            if length <= 0:
-                continue
-            first = starts[lengths == length]
-            index = (first[:, None] + torch.arange(length)).reshape(-1).to(query.device)
+        for length, count, index in _length_groups(params, query.device):
             # [n * L, heads, d] -> [n, heads, L, d]
-            q, k, v = (x.index_select(0, index).view(len(first), length, x.shape[1], x.shape[2])
+            q, k, v = (x.index_select(0, index).view(count, length, x.shape[1], x.shape[2])
                        .transpose(1, 2) for x in (query, key, value))
             o = self._sdpa(q, k, v)
             out.index_copy_(0, index, o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
         return out.reshape(out.shape[0], -1)
+
+
+def _length_groups(params, device):
+    """[(length, sequences, token index on `device`)] of a packed batch, one per distinct
+    sequence length. Every layer of a micro-batch reads the same packing: it is worked out once
+    and kept on the params object (on a GPU, one host read of cu_seqlens per micro-batch
+    instead of two syncs per layer)."""
+    cached = getattr(params, "_trident_length_groups", None)
+    if cached is not None and cached[0] == device:
+        return cached[1]
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None \
+        else params.cu_seqlens_q
+    cu = cu.to(torch.long).cpu()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    groups = []
+    for length in lengths.unique().tolist():
+        if length <= 0:
+            continue
+        first = starts[lengths == length]
+        index = (first[:, None] + torch.arange(length)).reshape(-1).to(device)
+        groups.append((length, len(first), index))
+    params._trident_length_groups = (device, groups)
+    return groups
 
 
 def install_fast_thd_rope():

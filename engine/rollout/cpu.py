@@ -425,9 +425,12 @@ class CPURollout(RolloutEngine):
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         temperature = 1.0 if sampling.greedy else sampling.temperature
 
-        responses = [[] for _ in range(rows)]
-        log_probs = [[] for _ in range(rows)]
+        # each step's tokens, log-probs and which rows were still decoding stay on the device;
+        # they are read back once at the end (one host sync per step at most: the stop check)
+        step_tokens, step_logps, step_alive = [], [], []
         finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        budget_dev = budget.to(dev)
+        bounded = bool((budget < steps).any())  # a continued row may stop before the others
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
         cache = _preallocated_cache(self.model.config, width + steps)
@@ -447,15 +450,17 @@ class CPURollout(RolloutEngine):
                     at = (offsets + step).clamp(max=sampling.max_new_tokens - 1).to(dev)[:, None]
                     u = (uniforms.gather(1, at).to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
                     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-                token_logp = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-                # one conversion per step, not one per row and value
-                for r, alive, t, lp in zip(range(rows), (~finished).tolist(), tokens.tolist(),
-                                           token_logp.tolist()):
-                    if alive:
-                        responses[r].append(t)
-                        log_probs[r].append(lp)
-                finished |= torch.isin(tokens, stop_ids) | (budget.to(dev) <= step + 1)
-                if bool(finished.all()) or step == steps - 1:
+                step_logps.append(scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+                step_tokens.append(tokens)
+                step_alive.append(~finished)
+                if stop or bounded:  # else no row finishes before the last step: nothing to ask the device
+                    if stop:
+                        finished |= torch.isin(tokens, stop_ids)
+                    if bounded:
+                        finished |= budget_dev <= step + 1
+                    if bool(finished.all()):
+                        break
+                if step == steps - 1:
                     break
                 if should_pause is not None and should_pause():
                     paused = True
@@ -466,9 +471,14 @@ class CPURollout(RolloutEngine):
                 if record:
                     record(rows, 1)
         del cache
+        # a row decodes until its stop token (included) or its budget, so its alive steps are a prefix
+        lengths = torch.stack(step_alive, 1).sum(1).tolist()
+        responses = [t[:n] for t, n in zip(torch.stack(step_tokens, 1).tolist(), lengths)]
+        log_probs = [lp[:n] for lp, n in zip(torch.stack(step_logps, 1).tolist(), lengths)]
+        done = finished.tolist()
 
         stop_set = set(stop_ids.tolist())
-        finish = [FINISH_PAUSED if paused and not finished[r] else
+        finish = [FINISH_PAUSED if paused and not done[r] else
                   FINISH_STOP if responses[r][-1] in stop_set else FINISH_LENGTH for r in range(rows)]
         routed = None
         if self.record_routing:

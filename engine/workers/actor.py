@@ -90,12 +90,14 @@ class LogProbModel(MegatronWorker):
 
         def head(hidden, mb):
             lp, ent = self._logprob_entropy(hidden, mb, temperature, with_entropy)
-            info = dict(rows=mb.rows, log_prob=mb.to_padded(self.gather_cp(lp.float(), mb)).cpu())
+            # per-token results stay on the device until every micro-batch has run: one host
+            # copy per pass, not a sync between micro-batches (they are [rows, R], small)
+            info = dict(rows=mb.rows, log_prob=mb.to_padded(self.gather_cp(lp.float(), mb)))
             if with_entropy:
-                info["entropy"] = mb.to_padded(self.gather_cp(ent.float(), mb)).cpu()
+                info["entropy"] = mb.to_padded(self.gather_cp(ent.float(), mb))
             if with_full_kl:
                 kl = self._full_kl(hidden, mb, batch["ref_hidden"][mb.rows], ref_weight, temperature)
-                info["full_kl"] = mb.to_padded(self.gather_cp(kl, mb)).cpu()
+                info["full_kl"] = mb.to_padded(self.gather_cp(kl, mb))
             if with_hidden:  # whole sequences on every CP rank: the actor's split may differ
                 h = self.gather_cp(hidden.reshape(-1, hidden.shape[-1])[mb.positions], mb)
                 info["hidden"] = h.cpu().split(mb.response_lengths)
@@ -108,9 +110,10 @@ class LogProbModel(MegatronWorker):
         for key in keys:
             full = None
             if self.is_last_stage:
-                full = torch.zeros(len(batch), width)
+                full = torch.zeros(len(batch), width, device=self.device)
                 for info in infos:
-                    full[info["rows"]] = info[key]
+                    full[torch.as_tensor(info["rows"], device=self.device)] = info[key].float()
+                full = full.cpu()
             out[key] = self.broadcast_from_last_stage(full, (len(batch), width))
         if with_hidden and self.is_last_stage:
             rows = np.empty(len(batch), dtype=object)  # element-wise: tensors, not an array

@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
+from engine.workers.finite import all_finite
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
 from parallel import fsdp
@@ -448,8 +449,7 @@ class MegatronWorker:
             b.grad_data for c in self.chunks
             for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
         grads = buffers or model_grads(self.chunks)
-        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        flag = torch.tensor([0.0 if bool(ok) else 1.0])
+        flag = torch.tensor([0.0 if all_finite(grads) else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0
 
