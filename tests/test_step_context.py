@@ -38,7 +38,8 @@ class Colocated:
 
 
 def _ctx(**kw):
-    derived = types.SimpleNamespace(config=types.SimpleNamespace(reward_model=types.SimpleNamespace(rule_reward=True)))
+    reward_model = types.SimpleNamespace(rule_reward=True, url=None)
+    derived = types.SimpleNamespace(config=types.SimpleNamespace(reward_model=reward_model))
     args = dict(derived=derived, colocated=Colocated(), rollout=None, reward_fn=None, reward_model=None, ref=None,
                 actor=None, hf_config=None, loader=None, train_data=None, pad_id=0, eos_ids=[2], dp=1, dp_rank=0,
                 rank=0, replicas=[[0]], replica_group=None, total_steps=3)
