@@ -78,6 +78,19 @@ OPTIM_SHARDING = "dp_reshardable"
 _WORKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
+def _in_process_write_results():
+    """megatron's torch_dist writer returns each save's results through a queue it makes, once per
+    process, from a *spawned* multiprocessing Manager: a fresh interpreter that re-imports
+    __main__ (engine.train: torch, transformers; ~3.5 s CPU per rank, every run that saves). Our
+    saves are synchronous (Strategy.save -> execute_sync): the results are put and read in this
+    process, so a plain queue carries them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if getattr(filesystem_async, "_results_queue", ()) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 # -- the manager ------------------------------------------------------------------------------
 class CheckpointManager:
     """Checkpoints under `root_dir`; collective: every rank calls `save` / `load` together.
@@ -246,6 +259,7 @@ class CheckpointManager:
             with_scheduler = worker.scheduler is not None and "optimizer" in contents
             if with_scheduler:
                 state["scheduler"] = worker.scheduler.state_dict()
+            _in_process_write_results()
             dist_checkpointing.save(state, os.path.join(tmp, name))
             saved[name] = dict(optimizer=with_optim, scheduler=with_scheduler,
                                chunks=len(worker.models), adam_step=adam_step(worker),
