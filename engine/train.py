@@ -406,8 +406,10 @@ def _main(argv=None):
     set_seed(cfg.trainer.seed + dist.get_rank())
     # the ~500k objects of the imports (torch, megatron, transformers) live as long as the run:
     # frozen, every full collection after this (return_to_device makes one per phase, ~0.3 s
-    # CPU each on a CPU core) walks only what the run itself creates
-    gc.freeze()
+    # CPU each on a CPU core) walks only what the run itself creates; the PPO trainer freezes its
+    # built run again below
+    from parallel.device_memory import freeze_long_lived
+    freeze_long_lived()
     try:
         if serving:
             serve_pool(cfg, bridge, len(train))
@@ -417,7 +419,6 @@ def _main(argv=None):
         else:
             derived, components = build(cfg, dist.get_world_size(), watch=watch, prepared=prepared, bridge=bridge)
             trainer = Trainer(derived, components)
-            from parallel.device_memory import freeze_long_lived
             freeze_long_lived()  # the hand-off's garbage collections scan only the steps' objects
             set_phase("training")
             trainer.fit()
