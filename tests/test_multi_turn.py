@@ -517,8 +517,9 @@ def test_the_prompt_shows_the_tools_schemas_as_verl_renders_it(shown):
 
 
 def test_on_the_cpu_backend_a_slow_tool_delays_only_its_own_trajectory():
-    """The tool-happy model of the test above on the CPU backend: trajectory (prompt 0, sample 0)
-    waits 1.5 s for its first tool; meanwhile the others go on with later turns."""
+    """The tool-happy model of the test above on the CPU backend: trajectory (prompt 0, sample 0)'s
+    first tool waits until another trajectory has reached a later turn's tool (at most 10 s): a
+    driver that waited for every tool before generating would never get there."""
     from engine.rollout.cpu import CPURollout
     from engine.rollout.tool_actor import multi_turn_generate
 
@@ -527,22 +528,21 @@ def test_on_the_cpu_backend_a_slow_tool_delays_only_its_own_trajectory():
     config = model.config
     engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
     engine.sync_weights([list(model.state_dict().items())])
-    log = []
+    later, waited = threading.Event(), []
 
     class Slow:
-        timeout_s = 5.0
+        timeout_s = 15.0
 
         def act(self, trajectory, text, called):
-            log.append((time.monotonic(), trajectory.key, trajectory.sample, trajectory.turns))
-            if (trajectory.key, trajectory.sample, trajectory.turns) == (0, 0, 1):
-                time.sleep(1.5)
+            where = (trajectory.key, trajectory.sample, trajectory.turns)
+            if where[:2] != (0, 0) and where[2] >= 2:
+                later.set()
+            if where == (0, 0, 1):
+                waited.append(later.wait(10.0))
             return Observation(ids=OBS, tool_calls=1) if called else Observation(done=True)
     run_engine = multi_turn_generate(lambda e, p, s, k: e.generate(p, s, keys=k), Slow, decode=tok.decode,
                                      end_tag=[end], limits=Limits(120, max_assistant_turns=6))
     prompt = tok.encode("<|im_start|>user\n1*2=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     out = run_engine(engine, [prompt, prompt], SamplingParams(n=2, max_new_tokens=120, seed=3), [0, 1])
-    slow = [t for t, k, j, turn in log if (k, j, turn) == (0, 0, 1)]
-    assert slow, "the slow trajectory called its tool"
-    meanwhile = [turn for t, k, j, turn in log if (k, j) != (0, 0) and slow[0] < t < slow[0] + 1.4]
-    assert meanwhile and max(meanwhile) >= 2  # others' later turns ran while it waited
+    assert waited == [True]  # the slow trajectory called its tool, and others went on meanwhile
     assert max(s["turns"] for s in out.stats) >= 3

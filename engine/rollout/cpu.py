@@ -488,18 +488,3 @@ class CPURollout(RolloutEngine):
         return RolloutOutput(prompt_index=[r // sampling.n for r in range(rows)],
                              responses=responses, log_probs=log_probs, finish_reasons=finish,
                              routed_experts=routed)
-
-
-@register_rollout("hf")
-class HFRollout(CPURollout):
-    """The CPU backend's transformers model and decoding on this rank's GPU (bf16 by default):
-    a rollout for GPU machines without SGLang (e.g. `make gpu-check` on a bare machine). Same
-    interface and grouping; no paged KV cache or CUDA graphs, so it is for checks, not speed."""
-
-    NEEDS_CUDA = True
-
-    def __init__(self, hf_config, eos_token_ids: Sequence[int] = (), pad_token_id: Optional[int] = None,
-                 dtype: torch.dtype = torch.bfloat16, record_routing: bool = False, max_num_seqs: int = 1 << 30):
-        super().__init__(hf_config, eos_token_ids, pad_token_id, dtype=dtype, record_routing=record_routing,
-                         max_num_seqs=max_num_seqs,
-                         device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda")

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 import engine.rollout.cpu  # noqa: F401  (registers 'cpu')
+import engine.rollout.hf  # noqa: F401  (registers 'hf')
 import engine.rollout.sglang  # noqa: F401  (registers 'sglang')
 import engine.rollout.vllm  # noqa: F401  (registers 'vllm')
 from engine.rollout.base import ROLLOUT_BACKENDS, RolloutEngine

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_hf_rollout_on_cuda_matches_the_hf_argmax():
-    from engine.rollout.cpu import HFRollout
+    from engine.rollout.hf import HFRollout
 
     model = reference_model(llama_config())
     rollout = HFRollout(model.config, eos_token_ids=[EOS], dtype=torch.float32)
