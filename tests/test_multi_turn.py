@@ -354,9 +354,15 @@ def test_cpu_backend_trajectories_are_the_models_own_tokens_and_log_probs():
     engine.sync_weights([list(model.state_dict().items())])
     prompts = [tok.encode(f"<|im_start|>user\n{a}*{b}=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
                for a, b in ((123, 456), (7, 8))]
-    run_engine = multi_turn_generate(lambda e, p, s, k: e.generate(p, s, keys=k), lambda: actor,
-                                     decode=tok.decode, end_tag=[end], limits=Limits(160, max_assistant_turns=4))
+    calls = []
+
+    def generate(e, p, s, k):
+        calls.append(len(p))
+        return e.generate(p, s, keys=k)
+    run_engine = multi_turn_generate(generate, lambda: actor, decode=tok.decode, end_tag=[end],
+                                     limits=Limits(160, max_assistant_turns=4))
     out = run_engine(engine, prompts, SamplingParams(n=3, max_new_tokens=160, seed=5), [0, 1])
+    assert calls[0] == 6  # every trajectory's first turn in one call
     assert max(s["turns"] for s in out.stats) >= 3 and sum(s["observations"] for s in out.stats) >= 3
     for row, (ids, mask, lps) in enumerate(zip(out.responses, out.loss_masks, out.log_probs)):
         prompt = prompts[out.prompt_index[row]]

@@ -232,13 +232,8 @@ def _steps_through_service(tmp, url, layout, on_failure="stop", steps=2):
             return batch
 
     world = dist.get_world_size()
-    cfg = load_config(DEMO, [
-        f"trainer.n_gpus_per_node={world}", "trainer.logger=[]", "trainer.resume_mode=disable",
-        "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp}/ckpt",
-        f"trainer.log_dir={tmp}/logs", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    from tests.test_replica_scoring import scoring_run
+    cfg = load_config(DEMO, scoring_run(tmp, world) + [
         f"reward_model.url={url}", "reward_model.remote.batch_size=1", "reward_model.remote.max_retries=0",
         f"reward_model.remote.on_failure={on_failure}", "reward_model.remote.timeout_s=5", *layout])
     set_seed(cfg.trainer.seed + dist.get_rank())

@@ -21,6 +21,17 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+def scoring_run(tmp, world):
+    """Overrides of the tiny demo for a short scoring run on `world` ranks (4 prompts x 2 samples,
+    one mini-batch, no checkpoints, validation or loggers); the reward source is the caller's."""
+    return [f"trainer.n_gpus_per_node={world}", "trainer.logger=[]", "trainer.resume_mode=disable",
+            "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp}/ckpt",
+            f"trainer.log_dir={tmp}/logs", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"]
+
+
 def _scored_steps(tmp, layout, steps=2):
     import torch.distributed as dist
 
@@ -36,14 +47,7 @@ def _scored_steps(tmp, layout, steps=2):
 
     os.environ["TRIDENT_TEST_SCORE_LOG"] = f"{tmp}/calls.txt"
     world = dist.get_world_size()
-    cfg = load_config(DEMO, [
-        f"trainer.n_gpus_per_node={world}", "trainer.logger=[]", "trainer.resume_mode=disable",
-        "trainer.save_freq=-1", "trainer.test_freq=-1", f"trainer.default_local_dir={tmp}/ckpt",
-        f"trainer.log_dir={tmp}/logs", "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
-        f"custom_reward_function.path={tmp}/reward.py", *layout])
+    cfg = load_config(DEMO, scoring_run(tmp, world) + [f"custom_reward_function.path={tmp}/reward.py", *layout])
     set_seed(cfg.trainer.seed + dist.get_rank())  # as engine.train.main: each rank its own stream
     t = Recording(*build(cfg, world))
     t.seen = []

@@ -53,7 +53,8 @@ class Actor(Protocol):
     timeout_s: float
 
     def start(self, trajectory: "Trajectory") -> Observation:
-        """Before the first turn: an environment's first observation (ids None: none)."""
+        """Before the first turn, when `needs_start`: an environment's first observation (ids
+        None: none)."""
 
     def act(self, trajectory: "Trajectory", text: str, called: bool) -> Observation:
         """`text`: the turn decoded; `called`: it ended at the tool-call end tag."""
@@ -178,8 +179,9 @@ def run_concurrent(agenerate, run_async, prompt_ids: Sequence[Sequence[int]], sa
 
 
 def _start(trajs, actor, pool):
-    """Each trajectory's first observation (an environment's reset), computed in the pool."""
-    if callable(getattr(actor, "start", None)):
+    """Each trajectory's first observation (an environment's reset), computed in the pool. Only
+    for an actor that has one: a pending no-op would split the first turns over several calls."""
+    if getattr(actor, "needs_start", False):
         for t in trajs:
             t.pending = pool.submit(actor.start, t)
 

@@ -31,6 +31,7 @@ class ToolActor:
         self.decode_prompt = decode_prompt
         self.timeout_s = runner.timeout_s
         self._envs, self._lock = {}, threading.Lock()
+        self.needs_start = environments is not None  # else no first observation to wait for
 
     def act(self, trajectory, text: str, called: bool) -> Observation:
         if called:
