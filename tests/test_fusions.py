@@ -116,3 +116,35 @@ def test_transformer_config_and_local_spec_on_this_machine():
                                 gradient_accumulation_fusion=True, persist_layer_norm=False)
     assert not any(res["cpu_flags"].values())
     assert res["trident"] and not res["megatron_local"]
+
+
+def test_packed_rope_equals_megatrons_per_micro_batch():
+    """The THD rope (engine/models/local_modules.py) works cos / sin out once per micro-batch
+    and reuses them for every layer and for q and k: each call equals Megatron's own bshd
+    rotation at the token's position in its sequence, for two packings, two frequency tables
+    (one rotating only part of the channels) and two dtypes, values and gradients."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from engine.models.local_modules import install_fast_thd_rope
+    reference = rope_utils._apply_rotary_pos_emb_bshd
+    install_fast_thd_rope()
+    gen = torch.Generator().manual_seed(0)
+
+    def expected(t, cu, freqs, mscale):
+        positions = torch.cat([torch.arange(int(b - a)) for a, b in zip(cu[:-1], cu[1:])])
+        return reference(t.unsqueeze(1), freqs[positions], mscale=mscale).squeeze(1)
+
+    packings = [torch.tensor([0, 3, 8, 9], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)]
+    tables = [torch.randn(16, 1, 1, 8, generator=gen), torch.randn(16, 1, 1, 4, generator=gen)]
+    for cu in packings:
+        for freqs in tables:  # the same cu_seqlens with another table: not the cached one
+            for dtype, mscale in ((torch.float32, 1.0), (torch.float64, 1.3)):
+                for heads in (4, 2):  # q then k: the second call reads the cached cos / sin
+                    t = torch.randn(int(cu[-1]), heads, 8, generator=gen, dtype=dtype, requires_grad=True)
+                    got = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, mscale=mscale)
+                    want = expected(t, cu, freqs, mscale)
+                    assert torch.equal(got, want)
+                    w = torch.randn(got.shape, generator=gen, dtype=dtype)
+                    assert torch.equal(torch.autograd.grad((got * w).sum(), t)[0],
+                                       torch.autograd.grad((want * w).sum(), t)[0])

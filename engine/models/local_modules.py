@@ -122,13 +122,46 @@ def _length_groups(params, device):
     return groups
 
 
+def _rotated(t, cos, sin):
+    """t * cos + rotate_half(t) * sin over the first cos.shape[-1] channels (the rest pass):
+    the same operations as Megatron's `_apply_rotary_pos_emb_bshd` (non-interleaved)."""
+    rot = cos.shape[-1]
+    x = t if rot == t.shape[-1] else t[..., :rot]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)
+
+
+def _packed_cos_sin(t, cu_seqlens, freqs, mscale):
+    """cos / sin of each packed token's frequencies, worked out once per micro-batch: every
+    layer, and both q and k, read the same `freqs` table at the same positions (Megatron
+    recomputes the gather, cos and sin for each call; HF computes them once per forward). Kept
+    on the micro-batch's cu_seqlens tensor, which lives exactly as long as the micro-batch."""
+    key = (t.dtype, t.device, float(mscale))
+    cached = getattr(cu_seqlens, "_trident_rope", None)
+    if cached is not None and cached[0] is freqs and cached[1] == key:
+        return cached[2]
+    total = t.shape[0]
+    if freqs.size(0) == int(cu_seqlens[-1]):
+        positions = torch.arange(total, device=t.device)  # table already per packed token
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+        positions = torch.arange(total, device=t.device) - starts.to(t.device)
+    table = freqs[positions]
+    pair = ((torch.cos(table) * mscale).to(t.dtype), (torch.sin(table) * mscale).to(t.dtype))
+    cu_seqlens._trident_rope = (freqs, key, pair)
+    return pair
+
+
 def install_fast_thd_rope():
     """RoPE for packed (THD) sequences without a Python loop over the sequences.
 
     Megatron's unfused THD path builds each sequence's frequencies in a loop of split / slice /
     cat (dozens of small ops per sequence and layer); TE's fused kernel replaces it on GPU.
-    Here the per-token position inside its sequence indexes the frequency table once. Only
-    without context parallelism, where the two are the same computation.
+    Here the per-token position inside its sequence indexes the frequency table once per
+    micro-batch (`_packed_cos_sin`). Only without context parallelism, where the two are the
+    same computation; interleaved and MLA rotations go through Megatron's own bshd function.
     """
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -141,9 +174,12 @@ def install_fast_thd_rope():
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale,
                             cp_group=cp_group)
+        if not rotary_interleaved and not multi_latent_attention:
+            cos, sin = _packed_cos_sin(t, cu_seqlens, freqs, mscale)
+            return _rotated(t.unsqueeze(1), cos, sin).squeeze(1)
         total = t.shape[0]
         if freqs.size(0) == int(cu_seqlens[-1]):
-            positions = torch.arange(total, device=t.device)  # table already per packed token
+            positions = torch.arange(total, device=t.device)
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
             starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
