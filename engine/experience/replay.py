@@ -99,6 +99,16 @@ class Replay(Source):
         self.group_size = round(self.cfg.keep * n) if self.cfg.filter in ("best", "best_worst") else n
         self.buffer = ReplayBuffer(self.cfg.capacity, self.group_size)
 
+    @property
+    def separate(self):
+        return self.inner.separate
+
+    def validate(self, ctx, prompt_ids):
+        return self.inner.validate(ctx, prompt_ids)
+
+    def finish(self):
+        self.inner.finish()
+
     def prompts(self, ctx):
         return self.inner.prompts(ctx)
 

@@ -1,0 +1,114 @@
+"""Streaming groups from a separate rollout pool (engine/experience/streaming.py, the pool's side
+engine/rollout/streaming.py): through the real trainer on 1 training + 1 pool rank, over-sampling
+(data.gen_batch_size) at k = 1 with DAPO's filter and the replay buffer, every step trains exactly
+data.train_batch_size whole groups, the surplus is carried and counted (nothing lost: carried in
++ requested = taken + dropped + filtered + carried out), zero-variance groups are filtered;
+a LoRA actor on the pool trains as the colocated one does; the plan's arithmetic against hand
+counts; the keys' one-line refusals."""
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.experience.streaming import top_up, window
+from engine.rollout.streaming import chunks, expected
+from tests.test_rollout_pool import COMPARED, _run, _weights
+from tests.test_e2e import ROOT
+
+DEMO = f"{ROOT}/recipes/tiny_cpu_demo.yaml"
+
+# a third of the prompts (by ground truth) score 0 whatever the response: their groups never
+# vary and DAPO's filter drops them; the others score by the response's text (mostly varying)
+FILTER_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if sum(map(ord, str(ground_truth))) % 3 == 0:
+        return 0.0
+    return float(sum(map(ord, solution_str)) % 2)
+'''
+
+
+def test_the_plan_keeps_the_pool_ahead_by_the_window_and_no_further():
+    # k x B + G groups, capped by what the remaining steps take (the surplus only when filtering)
+    assert window(1, 8, 12, remaining=5) == 20 and window(0, 8, 8, remaining=5) == 8
+    assert window(2, 8, 8, remaining=2) == 16 and window(1, 8, 12, remaining=1) == 8
+    assert window(1, 8, 12, remaining=1, filtering=True) == 12
+    assert top_up(5, 20, 2) == 16 and top_up(20, 20, 2) == 0 and top_up(25, 20, 2) == 0
+
+
+def test_chunks_go_to_the_engines_in_turn_and_each_relay_knows_its_messages():
+    assert [list(c) for c in chunks(5, 2)] == [[0, 1], [2, 3], [4]]
+    gids = list(range(10, 20))
+    owners = [100 + g % 2 for g in gids]  # replica g mod 2, relays 100 and 101
+    # chunks of 3: [10 11 12] engine 0, [13 14 15] engine 1, [16 17 18] engine 0, [19] engine 1
+    assert expected(gids, owners, 3, 2, 100) == [(0, [10, 12]), (1, [14]), (0, [16, 18])]
+    assert expected(gids, owners, 3, 2, 101) == [(0, [11]), (1, [13, 15]), (0, [17]), (1, [19])]
+
+
+def _cfg(*extra):
+    return load_config(DEMO, ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=4", *extra])
+
+
+POOL = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.n_gpus_per_node=2"]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["data.gen_batch_size=12"], "data.gen_batch_size=12: over-sampling is read by the separate rollout pool"),
+    (POOL + ["data.gen_batch_size=6", "trainer.off_policy_steps=1"], "data.gen_batch_size=6: asks for fewer"),
+    (POOL + ["data.gen_batch_size=12"], "data.gen_batch_size=12: with trainer.off_policy_steps=0 every surplus"),
+    (POOL + ["data.gen_batch_size=0"], "data.gen_batch_size=0"),
+])
+def test_gen_batch_size_is_refused_where_it_cannot_act(extra, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        _cfg(*extra)
+    assert "\n" not in str(e.value)
+
+
+def test_the_pool_takes_replay_dynamic_sampling_and_lora():
+    _cfg(*POOL, "algorithm.replay.enable=true", "algorithm.replay.ratio=0.5")
+    _cfg(*POOL, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward")
+    _cfg(*POOL, "data.gen_batch_size=12", "trainer.off_policy_steps=1")
+    _cfg(*POOL, "actor_rollout_ref.model.lora_rank=4")
+
+
+def test_streaming_over_sampling_with_dapo_filter_and_replay(tmp_path):
+    """k = 1, B = 8 groups, G = 12 per generation batch, chunks of 2 prompts (max_num_seqs 8 /
+    n 4), DAPO's filter on seq_reward and the replay buffer, 4 steps."""
+    (tmp_path / "reward.py").write_text(FILTER_REWARD)
+    extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
+             "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8",
+             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+             "algorithm.replay.enable=true", "algorithm.replay.ratio=0.5",
+             f"custom_reward_function.path={tmp_path}/reward.py", "trainer.save_hf=false"]
+    records = _run(tmp_path, "stream", 2, extra, steps=4)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    carried = 0.0
+    for r in records:
+        # exactly B whole groups of n responses (counted on the batch trained: distinct uids, rows)
+        assert r["rollout/groups_taken"] == 8 and r["rollout/samples_taken"] == 8 * 4
+        assert r["rollout/groups_carried_in"] == carried  # what the last step left is this one's
+        assert (r["rollout/groups_carried_in"] + r["rollout/groups_requested"] == r["rollout/groups_taken"]
+                + r["rollout/groups_dropped_stale"] + r["batch/filtered_groups"] + r["rollout/groups_carried"])
+        carried = r["rollout/groups_carried"]
+        assert r["rollout/stale_samples"] == 4 * r["rollout/groups_dropped_stale"]
+        assert r["rollout/staleness/max"] <= min(r["step"] - 1, 1)
+        assert r["batch/kept_groups"] >= 8 and r["actor/grad_norm"] > 0
+    assert records[0]["rollout/groups_requested"] == 8 + 12  # the window: k x B + G
+    assert any(r["rollout/groups_carried"] > 0 for r in records[:-1])  # the surplus went on
+    assert sum(r["batch/filtered_groups"] for r in records) > 0  # zero-variance groups dropped
+    assert all(r["replay/replayed_samples"] > 0 for r in records[1:])  # the buffer is replayed
+    assert records[0]["replay/replayed_samples"] == 0
+
+
+def test_lora_actor_on_the_pool_trains_like_the_colocated_one(tmp_path):
+    """LoRA at k = 0: the pool gets the merged weights (W + scale B A) after every update, so a
+    1 + 1 rank pool run gives the 1-rank colocated run's steps and weights bit for bit."""
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.actor.optim.lr=0.05"]
+    colocated = _run(tmp_path, "colocated", 1, lora, steps=2)
+    pool = _run(tmp_path, "pool", 2, lora + ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1"],
+                steps=2)
+    assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2]
+    for a, b in zip(colocated, pool):
+        for key in COMPARED:
+            assert a[key] == b[key], (a["step"], key)
+    a, b = _weights(tmp_path, "colocated", 2), _weights(tmp_path, "pool", 2)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
