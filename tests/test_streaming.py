@@ -71,15 +71,15 @@ def test_the_pool_takes_replay_dynamic_sampling_and_lora():
 
 def test_streaming_over_sampling_with_dapo_filter_and_replay(tmp_path):
     """k = 1, B = 8 groups, G = 12 per generation batch, chunks of 2 prompts (max_num_seqs 8 /
-    n 4), DAPO's filter on seq_reward and the replay buffer, 4 steps."""
+    n 4), DAPO's filter on seq_reward and the replay buffer, 3 steps."""
     (tmp_path / "reward.py").write_text(FILTER_REWARD)
     extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
              "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8",
              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
              "algorithm.replay.enable=true", "algorithm.replay.ratio=0.5",
              f"custom_reward_function.path={tmp_path}/reward.py", "trainer.save_hf=false"]
-    records = _run(tmp_path, "stream", 2, extra, steps=4)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    records = _run(tmp_path, "stream", 2, extra, steps=3)
+    assert [r["step"] for r in records] == [1, 2, 3]
     carried = 0.0
     for r in records:
         # exactly B whole groups of n responses (counted on the batch trained: distinct uids, rows)
@@ -92,12 +92,16 @@ def test_streaming_over_sampling_with_dapo_filter_and_replay(tmp_path):
         assert r["rollout/staleness/max"] <= min(r["step"] - 1, 1)
         assert r["batch/kept_groups"] >= 8 and r["actor/grad_norm"] > 0
     assert records[0]["rollout/groups_requested"] == 8 + 12  # the window: k x B + G
-    assert any(r["rollout/groups_carried"] > 0 for r in records[:-1])  # the surplus went on
+    assert records[0]["rollout/groups_carried"] > 0  # the surplus went on to step 2
     assert sum(r["batch/filtered_groups"] for r in records) > 0  # zero-variance groups dropped
     assert all(r["replay/replayed_samples"] > 0 for r in records[1:])  # the buffer is replayed
     assert records[0]["replay/replayed_samples"] == 0
 
 
+# a 1-rank and a 1 + 1-rank run; the fast siblings: tests/test_lora.py (the merged weights of the
+# colocated hand-off, the same lora.merged_buckets) and test_separate_pool_trains_like_colocated
+# (tests/test_rollout_pool.py: the pool's sync at k = 0 equals the colocated one)
+@pytest.mark.slow
 def test_lora_actor_on_the_pool_trains_like_the_colocated_one(tmp_path):
     """LoRA at k = 0: the pool gets the merged weights (W + scale B A) after every update, so a
     1 + 1 rank pool run gives the 1-rank colocated run's steps and weights bit for bit."""
@@ -112,3 +116,21 @@ def test_lora_actor_on_the_pool_trains_like_the_colocated_one(tmp_path):
             assert a[key] == b[key], (a["step"], key)
     a, b = _weights(tmp_path, "colocated", 2), _weights(tmp_path, "pool", 2)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+# 1 + 1 ranks, 4 steps; the fast siblings: test_streaming_over_sampling_with_dapo_filter_and_replay
+# (the same source through the trainer) and the plan's arithmetic above
+@pytest.mark.slow
+def test_over_sampled_groups_past_k_versions_are_dropped_and_counted(tmp_path):
+    """k = 1, B = 8, G = 12, no filter: by the plan (window k x B + G, capped by the steps left,
+    groups taken in id order) step 1 asks for 20 groups of version 0 and trains 8; step 2 asks
+    for 8 (v1) and trains 8 of v0; step 3 asks for 4 (v2), finds 4 of v0 two versions behind
+    (dropped, counted) and trains 8 of v1; step 4 asks for 4 (v3) and trains 4 of v2 and 4 of
+    v3: nothing is left and nothing stale is trained."""
+    extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
+             "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false"]
+    records = _run(tmp_path, "stale", 2, extra, steps=4)
+    got = [(r["rollout/groups_requested"], r["rollout/groups_dropped_stale"], r["rollout/groups_carried"],
+            r["rollout/staleness/max"], r["rollout/stale_samples"]) for r in records]
+    assert got == [(20, 0, 12, 0, 0), (8, 0, 12, 1, 0), (4, 4, 4, 1, 16), (4, 0, 0, 1, 0)]
+    assert all(r["rollout/groups_taken"] == 8 and r["rollout/samples_taken"] == 32 for r in records)
