@@ -19,7 +19,7 @@ A source gets the StepContext (engine/experience/context.py), never the trainer:
 The sources: online.Online, pool.Pool, streaming.Streaming, logged.Logged,
 dynamic_sampling.DynamicSampling, replay.Replay (wraps any of them); sources.build_experience picks one from the config.
 
-Tests: tests/test_experience_parts.py, tests/test_trainer_paths.py
+Tests: tests/test_experience_parts.py, tests/test_trainer_paths.py, tests/test_streaming.py
 """
 from megatron.core import parallel_state as ps
 

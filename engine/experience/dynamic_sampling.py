@@ -20,7 +20,7 @@ Every DP rank then trains on exactly q groups, and the mini-batch plan holds. Co
 (informative, before trimming), `batch/rerouted_groups`. The extra prompt batches come from the
 step's prompt loader, whose position is checkpointed: a resumed run sees the same batches.
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_streaming.py
 """
 from collections import defaultdict
 

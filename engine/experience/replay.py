@@ -22,7 +22,7 @@ by (trainer.seed, step, DP rank), so a resumed run draws the same groups. The bu
 trainer state: `state_dict` gathers every DP rank's buffer to rank 0 (which writes the trainer
 state); on resume each rank takes its own back (same DP size required).
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_streaming.py
 """
 import torch
 import torch.distributed as dist

@@ -13,7 +13,8 @@ process group over every launched rank, set up once — carries the rest:
   engine's leader. Other backends (CPU) get each bucket over the bridge: training rank j sends
   it to the pool ranks it feeds, which load it into their group's engine;
 * requests: training rank 0 sends every pool rank the same ordered stream of requests
-  (weights, generate step s, validate, stop); pool ranks serve them in order, so the requests
+  (weights, generate step s, stream groups: engine/rollout/streaming.py, validate, stop);
+  pool ranks serve them in order, so the requests
   for steps s+1 .. s+k sent before step s trains are generated while it trains (k-step
   off-policy, trainer.off_policy_steps);
 * results: each group leader sends each training DP replica's relay exactly the responses of
@@ -28,7 +29,7 @@ tokens it has (engine/rollout/partial.py), each token stamped with its own versi
 The buckets are cut and renamed as for a colocated engine (engine/rollout/colocated.py:
 `bucket_bytes`, `to_hf_names`).
 
-Tests: tests/test_rollout_pool.py
+Tests: tests/test_rollout_pool.py, tests/test_streaming.py
 """
 import pickle
 from datetime import timedelta
