@@ -202,7 +202,8 @@ class Streaming(Source):
             behind = [int((versions_behind(b, ctx.step) * b["response_mask"]).max()) for _, b in taken]
             good = set(range(short))
             if self.filter.enable:  # every replica scores its `short` groups (carried ones again: same scores)
-                batch = Batch.concat([b for _, b in taken])
+                fields = set.intersection(*(set(b.keys()) for _, b in taken))  # a carried group was scored
+                batch = Batch.concat([b.select(fields) for _, b in taken])
                 extra = ctx.score(batch)
                 for key, v in extra.items():
                     extras[key] += list(v)
