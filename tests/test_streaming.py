@@ -141,3 +141,12 @@ def test_over_sampled_groups_past_k_versions_are_dropped_and_counted(tmp_path):
             r["rollout/staleness/max"], r["rollout/stale_samples"]) for r in records]
     assert got == [(20, 0, 12, 0, 0), (8, 0, 12, 1, 0), (4, 4, 4, 1, 16), (4, 0, 0, 1, 0)]
     assert all(r["rollout/groups_taken"] == 8 and r["rollout/samples_taken"] == 32 for r in records)
+
+
+def test_gen_batch_size_must_split_over_the_replicas():
+    from engine.config import derive
+    cfg = _cfg("trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.n_gpus_per_node=3",
+               "trainer.off_policy_steps=1", "data.gen_batch_size=13")
+    with pytest.raises(ConfigError, match=r"data.gen_batch_size=13: does not split over 2 data-parallel ranks; "
+                                          r"make it a multiple of 2 \(e.g. 14\)"):
+        derive(cfg, 2, dataset_len=1 << 30)
