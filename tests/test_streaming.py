@@ -118,6 +118,7 @@ def test_lora_actor_on_the_pool_trains_like_the_colocated_one(tmp_path):
     pool = _run(tmp_path, "pool", 2, lora + ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1"],
                 steps=2)
     assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2]
+    assert all(r["actor/ppo_kl"] != 0 for r in pool)  # the 2nd mini-batch sees the adapters moved
     for a, b in zip(colocated, pool):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)
