@@ -136,8 +136,10 @@ def test_over_sampled_groups_past_k_versions_are_dropped_and_counted(tmp_path):
     (dropped, counted) and trains 8 of v1; step 4 asks for 4 (v3) and trains 4 of v2 and 4 of
     v3: nothing is left and nothing stale is trained."""
     extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
-             "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false"]
+             "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false",
+             "trainer.test_freq=2"]  # validated after step 2, 12 groups in flight: taken first, then kept
     records = _run(tmp_path, "stale", 2, extra, steps=4)
+    assert ["val/score/mean" in r for r in records] == [False, True, False, True]
     got = [(r["rollout/groups_requested"], r["rollout/groups_dropped_stale"], r["rollout/groups_carried"],
             r["rollout/staleness/max"], r["rollout/stale_samples"]) for r in records]
     assert got == [(20, 0, 12, 0, 0), (8, 0, 12, 1, 0), (4, 4, 4, 1, 16), (4, 0, 0, 1, 0)]
