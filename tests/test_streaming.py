@@ -153,3 +153,16 @@ def test_gen_batch_size_must_split_over_the_replicas():
     with pytest.raises(ConfigError, match=r"data.gen_batch_size=13: does not split over 2 data-parallel ranks; "
                                           r"make it a multiple of 2 \(e.g. 14\)"):
         derive(cfg, 2, dataset_len=1 << 30)
+
+
+# 1 + 1 ranks, 2 steps; the fast sibling: test_streaming_over_sampling_with_dapo_filter_and_replay
+# (the same wrapper around the streaming source)
+@pytest.mark.slow
+def test_replay_around_the_whole_batch_pool(tmp_path):
+    """The replay buffer around the pool's whole-batch source (k = 0, no over-sampling): step 2
+    replays step 1's groups, validation goes through the wrapper to the pool, the pool stops."""
+    extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "algorithm.replay.enable=true",
+             "algorithm.replay.ratio=0.5", "trainer.test_freq=2", "trainer.save_hf=false"]
+    records = _run(tmp_path, "replay", 2, extra, steps=2)
+    assert [r["replay/replayed_samples"] for r in records] == [0, 4 * 4]  # round(0.5 x 8) groups x n
+    assert "val/score/mean" in records[1] and "rollout/groups_taken" not in records[1]
