@@ -166,3 +166,17 @@ def test_replay_around_the_whole_batch_pool(tmp_path):
     records = _run(tmp_path, "replay", 2, extra, steps=2)
     assert [r["replay/replayed_samples"] for r in records] == [0, 4 * 4]  # round(0.5 x 8) groups x n
     assert "val/score/mean" in records[1] and "rollout/groups_taken" not in records[1]
+
+
+# 2 runs of 1 + 1 ranks; the fast sibling: test_streaming_over_sampling_with_dapo_filter_and_replay
+@pytest.mark.slow
+def test_a_streaming_run_resumes_from_its_checkpoint(tmp_path):
+    """A 2-step run saved at its end (the data position: the loader before the oldest batch
+    holding a group not yet taken), resumed to step 4: every step trains 8 whole groups."""
+    extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
+             "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false",
+             "trainer.resume_mode=auto", "trainer.save_freq=2"]
+    first = _run(tmp_path, "resumed", 2, extra, steps=2)
+    records = _run(tmp_path, "resumed", 2, extra, steps=4)
+    assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in records][-2:] == [3, 4]
+    assert all(r["rollout/groups_taken"] == 8 and r["rollout/samples_taken"] == 32 for r in records)
