@@ -26,7 +26,7 @@ from engine.algorithms.correction import loss_batch, mismatch_metrics
 from engine.algorithms.losses import apply_kl_penalty
 from engine.data import PromptLoader
 from engine.experience.context import StepContext
-from engine.experience.pool import Pool, connect
+from engine.experience.pool import connect
 from engine.experience.scoring import replica_groups
 from engine.experience.sources import build_experience
 from engine.guards import StepGuard
@@ -320,7 +320,7 @@ class Trainer(Loop):
         if self.val_data is None or len(self.val_data) == 0:
             return {}
         ctx = self.ctx
-        if isinstance(self.experience, Pool):
+        if self.experience.separate:  # a separate pool (engine/experience/pool.py, streaming.py)
             prompt_ids = [self.val_data[i]["input_ids"] for i in range(len(self.val_data))]
             return validate_from(self.experience.validate(ctx, prompt_ids), self.val_data, self.tokenizer,
                                  self.reward_fn, self.eos_ids)

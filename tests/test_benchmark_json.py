@@ -150,6 +150,12 @@ def test_reshard_json_moves_the_whole_model_in_buckets(tmp_path):
         assert r["ratio_to_copy"] == pytest.approx(r["seconds"] / report["copy_s"])
 
 
+def test_pool_oversample_gives_a_generation_batch_of_whole_replicas():
+    from tools.bench_pool import gen_batch_size
+    assert gen_batch_size(1.5, 32, 2) == 48 and gen_batch_size(1.4, 32, 3) == 45  # ceil(44.8), x3
+    assert gen_batch_size(1.0, 32, 2) == 32 and gen_batch_size(0.5, 32, 2) == 32  # never under B
+
+
 @pytest.mark.slow
 def test_pool_json_off_policy_against_on_policy(tmp_path):
     report = _bench(tmp_path, "pool", "--off-policy-steps", "0", "2", "--steps", "3", "--train-ranks", "1",

@@ -44,6 +44,9 @@ def plan_batches(cfg: TridentConfig, dp: int) -> dict:
              f"ranks trains whole prompts (all n responses of a prompt) and {data.train_batch_size} prompts "
              f"do not split over {dp} data-parallel ranks; make data.train_batch_size a multiple of "
              f"{dp} (e.g. {up})")
+    if data.gen_batch_size is not None and data.gen_batch_size % dp:  # groups go to replicas in turn
+        fail("data.gen_batch_size", data.gen_batch_size, f"does not split over {dp} data-parallel ranks; "
+             f"make it a multiple of {dp} (e.g. {-(-data.gen_batch_size // dp) * dp})")
     critic = cfg.critic
     return dict(
         rollout_batch_size=rollout_batch, rollout_batch_size_per_rank=rollout_batch // dp,

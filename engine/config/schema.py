@@ -99,6 +99,7 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 1024  # prompts per PPO step
+    gen_batch_size: Optional[int] = None  # separate pool: prompts per generation batch (null: train_batch_size)
     val_batch_size: Optional[int] = None  # null: the whole validation set at once
     shuffle: bool = True
     seed: int = 1

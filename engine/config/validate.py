@@ -299,10 +299,6 @@ def _validate_lora(cfg: TridentConfig) -> None:
         raise ConfigError(str(e)) from None
     if arr.model.lora_rank > 0:
         check_range(arr.model, p, "lora_alpha", gt=0.0)
-        if cfg.trainer.rollout_pool == "separate":
-            fail("trainer.rollout_pool", "separate", f"with {p}.lora_rank={arr.model.lora_rank} the "
-                 "rollout receives merged weights, which only the colocated hand-off sends so far; "
-                 "set trainer.rollout_pool=colocated (or lora_rank=0)")
         if arr.ref.megatron.param_offload:
             fail("actor_rollout_ref.ref.megatron.param_offload", True,
                  f"with {p}.lora_rank={arr.model.lora_rank} the reference is the actor with its "

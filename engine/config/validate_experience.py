@@ -3,7 +3,7 @@ responses (data.offline_path), token-level model rewards, rollout correction (IS
 replay / PF-PPO and DAPO dynamic sampling. One ConfigError naming key, value and fix each.
 
 Tests: tests/test_experience_parts.py, tests/test_rollout_correction.py, tests/test_replay_dynamic.py,
-tests/test_token_rewards.py
+tests/test_token_rewards.py, tests/test_streaming.py
 """
 from __future__ import annotations
 
@@ -25,13 +25,10 @@ def validate_experience(cfg: TridentConfig) -> None:
         raise ConfigError(str(e)) from None
     _replay(cfg)
     _filter_groups(cfg)
-    if cfg.trainer.rollout_pool == "separate":  # its source (engine/experience/pool.py) replaces these
-        for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
-                          ("algorithm.replay.enable", cfg.algorithm.replay.enable),
-                          ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable)):
-            if set_:
-                fail(key, _value(cfg, key), "not with trainer.rollout_pool=separate yet (the pool is its "
-                     "own source of experience); use rollout_pool=colocated or remove it")
+    _streaming(cfg)
+    if cfg.trainer.rollout_pool == "separate" and cfg.data.offline_path is not None:
+        fail("data.offline_path", cfg.data.offline_path, "logged responses need no rollout pool: "
+             "set trainer.rollout_pool=colocated or remove data.offline_path")
     if cfg.trainer.task != "ppo":  # the offline trainers of engine/offline read none of these
         for key, set_ in (("data.offline_path", cfg.data.offline_path is not None),
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
@@ -50,6 +47,25 @@ def _value(cfg, key):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _streaming(cfg: TridentConfig) -> None:
+    """data.gen_batch_size (verl's DAPO name): prompts the separate pool is asked for per
+    generation batch, more than a step trains (engine/experience/streaming.py)."""
+    d, t = cfg.data, cfg.trainer
+    check_range(d, "data", "gen_batch_size", ge=1, optional=True)
+    if d.gen_batch_size is None or d.gen_batch_size == d.train_batch_size:
+        return
+    if t.rollout_pool != "separate":
+        fail("data.gen_batch_size", d.gen_batch_size, "over-sampling is read by the separate rollout pool "
+             "only (trainer.rollout_pool=separate); remove it or set it to data.train_batch_size")
+    if d.gen_batch_size < d.train_batch_size:
+        fail("data.gen_batch_size", d.gen_batch_size, f"asks for fewer prompts than a step trains "
+             f"(data.train_batch_size={d.train_batch_size}); use >= {d.train_batch_size} or remove it")
+    if t.off_policy_steps == 0 and not cfg.algorithm.filter_groups.enable:
+        fail("data.gen_batch_size", d.gen_batch_size, "with trainer.off_policy_steps=0 every surplus group "
+             "is a version old at the next step and would be dropped; set off_policy_steps >= 1, enable "
+             "algorithm.filter_groups, or remove it")
 
 
 def _offline_source(cfg: TridentConfig) -> None:

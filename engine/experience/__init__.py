@@ -6,6 +6,7 @@ the rollout, the rewards and the phases (never the trainer).
     logged.py           logged responses (offline)    replay.py   replay buffer + PF-PPO
     dynamic_sampling.py DAPO's informative groups     sources.py  the registry a config picks from
     context.py          the StepContext               scoring.py  rewards once per replica
+    streaming.py        a separate pool's groups taken as they arrive (over-sampling, DAPO)
 
 Tests: tests/test_experience_parts.py, tests/test_step_context.py
 """

@@ -13,12 +13,13 @@ A source gets the StepContext (engine/experience/context.py), never the trainer:
                                  policy, PF-PPO's reweighting) and leave tokens out of the policy
                                  update (rejection sampling, veto: `policy_keep`); returns metrics
     loader_state(ctx)            where the data stands for the steps trained so far
+    separate / validate(ctx, ids) a separate pool's source validates through the pool
     state_dict() / load_state_dict(state)   the source's own trainer state (a replay buffer)
 
-The sources: online.Online, pool.Pool, logged.Logged, dynamic_sampling.DynamicSampling,
-replay.Replay (wraps any of them); sources.build_experience picks one from the config.
+The sources: online.Online, pool.Pool, streaming.Streaming, logged.Logged,
+dynamic_sampling.DynamicSampling, replay.Replay (wraps any of them); sources.build_experience picks one from the config.
 
-Tests: tests/test_experience_parts.py, tests/test_trainer_paths.py
+Tests: tests/test_experience_parts.py, tests/test_trainer_paths.py, tests/test_streaming.py
 """
 from megatron.core import parallel_state as ps
 
@@ -26,6 +27,8 @@ from engine.algorithms.correction import dp_sum, plan_of, rollout_correction
 
 
 class Source:
+    separate = False  # a separate rollout pool generates: the trainer validates through `validate`
+
     def __init__(self, cfg):
         self.correction = plan_of(cfg.algorithm.rollout_correction)
 
@@ -58,6 +61,10 @@ class Source:
         if self.correction.masks:
             batch["policy_keep"] = keep
         return metrics
+
+    def validate(self, ctx, prompt_ids):
+        """A separate pool's responses to the validation prompts (sources with `separate`)."""
+        raise NotImplementedError(f"{type(self).__name__} generates with the colocated rollout")
 
     def finish(self):
         """The run is over (a separate pool's client stops its servers)."""

@@ -20,7 +20,7 @@ Every DP rank then trains on exactly q groups, and the mini-batch plan holds. Co
 (informative, before trimming), `batch/rerouted_groups`. The extra prompt batches come from the
 step's prompt loader, whose position is checkpointed: a resumed run sees the same batches.
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_streaming.py
 """
 from collections import defaultdict
 
@@ -70,7 +70,7 @@ class DynamicSampling(Online):
             extra = ctx.score(batch)
             for k, v in extra.items():
                 extras[k] += list(v)
-            values = self._metric(batch, extra, fg.metric)
+            values = self.group_metric(batch, extra, fg.metric)
             good = informative_groups(values, n)
             filtered += len(values) // n - len(good)
             kept += [batch.index_select(list(range(g * n, (g + 1) * n))) for g in good]
@@ -85,7 +85,7 @@ class DynamicSampling(Online):
                     f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} (0: no bound), "
                     "or use easier prompts")
         moves = reshard_plan(counts, q)
-        batch = Batch.concat(self._reshard(kept, moves, q, ctx.dp_rank))
+        batch = Batch.concat(reshard(kept, moves, q, ctx.dp_rank))
         totals = torch.tensor([filtered, len(kept)], dtype=torch.float64)
         dist.all_reduce(totals, group=ps.get_data_parallel_group())
         metrics = ctx.reward_metrics(extras)
@@ -96,7 +96,8 @@ class DynamicSampling(Online):
         return batch, metrics
 
     @staticmethod
-    def _metric(batch, extra, metric):
+    def group_metric(batch, extra, metric):
+        """Per row, the value filter_groups.metric names."""
         if metric in ("seq_reward", "seq_final_reward"):  # no in-reward KL here (validated)
             return batch["token_level_scores"].sum(-1).tolist()
         if metric not in extra:
@@ -104,20 +105,24 @@ class DynamicSampling(Online):
                              f"{sorted(['seq_reward', 'seq_final_reward'] + list(extra))}; pick one of them")
         return [float(v) for v in extra[metric]]
 
-    @staticmethod
-    def _reshard(kept, moves, q, me):
-        """This rank's q groups: its own first ones, then those the plan sends it (collective
-        over the DP group, point to point)."""
-        ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
-        pending, buffers = [], []
-        for dst in sorted({d for s, d, _ in moves if s == me}):
-            reqs, bufs, _ = _send([kept[g] for s, d, g in moves if s == me and d == dst], ranks[dst])
-            pending += reqs
-            buffers += bufs
-        mine = kept[:q]
-        for src in sorted({s for s, d, _ in moves if d == me}):
-            mine += _recv(ranks[src])[0]
-        for req in pending:
-            req.wait()
-        assert len(mine) == q, (len(mine), q)
+
+def reshard(kept, moves, q, me, keep_rest=False):
+    """This rank's q groups: its own first ones, then those the plan sends it (collective over
+    the DP group, point to point). keep_rest: also the groups it kept that no rank takes
+    (streaming carries them to the next step: engine/experience/streaming.py)."""
+    ranks = dist.get_process_group_ranks(ps.get_data_parallel_group())
+    pending, buffers = [], []
+    for dst in sorted({d for s, d, _ in moves if s == me}):
+        reqs, bufs, _ = _send([kept[g] for s, d, g in moves if s == me and d == dst], ranks[dst])
+        pending += reqs
+        buffers += bufs
+    mine = kept[:q]
+    for src in sorted({s for s, d, _ in moves if d == me}):
+        mine += _recv(ranks[src])[0]
+    for req in pending:
+        req.wait()
+    assert len(mine) == q, (len(mine), q)
+    if not keep_rest:
         return mine
+    moved = {g for s, _, g in moves if s == me}
+    return mine, [kept[g] for g in range(q, len(kept)) if g not in moved]

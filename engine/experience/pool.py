@@ -17,6 +17,8 @@ from engine.experience.staleness import refuse_stale, staleness_metrics
 
 
 class Pool(Source):
+    separate = True
+
     def __init__(self, cfg, client, off_policy_steps):
         super().__init__(cfg)
         self.client, self.k = client, off_policy_steps

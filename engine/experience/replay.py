@@ -22,7 +22,7 @@ by (trainer.seed, step, DP rank), so a resumed run draws the same groups. The bu
 trainer state: `state_dict` gathers every DP rank's buffer to rank 0 (which writes the trainer
 state); on resume each rank takes its own back (same DP size required).
 
-Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py
+Tests: tests/test_experience_parts.py, tests/test_replay_dynamic.py, tests/test_streaming.py
 """
 import torch
 import torch.distributed as dist
@@ -98,6 +98,16 @@ class Replay(Source):
         self.n = n
         self.group_size = round(self.cfg.keep * n) if self.cfg.filter in ("best", "best_worst") else n
         self.buffer = ReplayBuffer(self.cfg.capacity, self.group_size)
+
+    @property
+    def separate(self):
+        return self.inner.separate
+
+    def validate(self, ctx, prompt_ids):
+        return self.inner.validate(ctx, prompt_ids)
+
+    def finish(self):
+        self.inner.finish()
 
     def prompts(self, ctx):
         return self.inner.prompts(ctx)

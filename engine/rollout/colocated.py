@@ -196,8 +196,8 @@ class HybridEngine:
 
     def plan(self):
         """Built on first use and kept: the planned delivery (a delivery.Delivery), else the
-        reshard plan (collective), or a lora.MergePlan for a LoRA actor (which validation keeps
-        off the separate pool)."""
+        reshard plan (collective), or a lora.MergePlan for a LoRA actor (a separate pool's send
+        merges with it too: engine/rollout/pool.py `buckets`)."""
         if self._plan is None:
             if self.planned:
                 plan = transfer_plan_for(self.hf_config, self.layout, self.topology, self.chunks,

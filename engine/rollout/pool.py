@@ -13,7 +13,8 @@ process group over every launched rank, set up once — carries the rest:
   engine's leader. Other backends (CPU) get each bucket over the bridge: training rank j sends
   it to the pool ranks it feeds, which load it into their group's engine;
 * requests: training rank 0 sends every pool rank the same ordered stream of requests
-  (weights, generate step s, validate, stop); pool ranks serve them in order, so the requests
+  (weights, generate step s, stream groups: engine/rollout/streaming.py, validate, stop);
+  pool ranks serve them in order, so the requests
   for steps s+1 .. s+k sent before step s trains are generated while it trains (k-step
   off-policy, trainer.off_policy_steps);
 * results: each group leader sends each training DP replica's relay exactly the responses of
@@ -28,7 +29,7 @@ tokens it has (engine/rollout/partial.py), each token stamped with its own versi
 The buckets are cut and renamed as for a colocated engine (engine/rollout/colocated.py:
 `bucket_bytes`, `to_hf_names`).
 
-Tests: tests/test_rollout_pool.py
+Tests: tests/test_rollout_pool.py, tests/test_streaming.py
 """
 import pickle
 from datetime import timedelta
@@ -110,6 +111,17 @@ def _stamped(out, rows, version):
                          [[version] * len(r) for r in out.responses[rows]])
 
 
+def buckets(chunks, size, plan, hf_config):
+    """The full tensors to send, bucket by bucket (collective over the training world): a LoRA
+    actor's base weights merged with its adapters (`plan` a lora.MergePlan), as the colocated
+    sync sends them (engine/rollout/colocated.py)."""
+    from engine.models import lora
+    from parallel.reshard import iter_buckets
+    if isinstance(plan, lora.MergePlan):
+        return lora.merged_buckets(chunks, size, plan, hf_config)
+    return iter_buckets(chunks, size, plan=plan)
+
+
 def _is_end(message):
     return isinstance(message, tuple) and len(message) == 2 and message[0] == "end"
 
@@ -167,7 +179,6 @@ class PoolClient:
         sent); every token generated with them is stamped with it."""
         from engine.rollout.colocated import bucket_bytes, to_hf_names
         from parallel import fsdp
-        from parallel.reshard import iter_buckets
         from engine.rollout.update_group import broadcast_bucket, manifest
         self.version = self.version + 1 if version is None else version
         if self.rank == 0:
@@ -176,7 +187,7 @@ class PoolClient:
                 self.bridge.send(("weights", self.version), p)
         sent = 0
         with fsdp.gathered(chunks):  # a fully sharded model's full values (parallel/fsdp.py)
-            for bucket in iter_buckets(chunks, bucket_bytes(bucket_megabytes), plan=plan):
+            for bucket in buckets(chunks, bucket_bytes(bucket_megabytes), plan, hf_config):
                 named = to_hf_names(hf_config, bucket)
                 if self.pg is not None:  # the manifest to the leaders, the tensors over the group
                     described = manifest(named)
@@ -316,6 +327,10 @@ def serve(bridge, group, T, generate, partial=False):
             return
         if kind == "weights":
             take_weights(msg)
+            continue
+        if kind == "stream":  # groups sent as their chunk is done (engine/rollout/streaming.py)
+            from engine.rollout.streaming import serve_stream
+            serve_stream(bridge, group, msg, run_partial if partial else generate, lambda: version)
             continue
         if kind == "validate":
             mine, out = group.generate_split(msg["prompts"], list(range(len(msg["prompts"]))),
