@@ -92,7 +92,11 @@ class StoreBridge:
         return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def flush(self):
-        """Wait until every message sent has been read (bounded by the store's timeout)."""
+        """Wait until every message sent has been read (bounded by the store's timeout). A pool
+        rank's messages wait in the store, which training rank 0 keeps until the training ranks
+        have read all they asked for (and which may be gone once they have): nothing to wait for."""
+        if self.durable:
+            return
         deadline = time.monotonic() + self.timeout_s
         for dst in range(self.world):
             while self.sent[dst] and self._read_by(dst) < self.sent[dst]:
