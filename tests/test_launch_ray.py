@@ -197,7 +197,7 @@ def test_a_killed_pool_rank_is_restarted_and_the_run_finishes(tmp_path, ray_ok, 
     first = next(ln for ln in out.splitlines() if ln.startswith("[launch_ray] rank 3: "))
     again = next(ln for ln in out.splitlines() if ln.startswith("[launch_ray] rank 3 restarted: "))
     assert first.split("pid ")[1].split()[0] != again.split("pid ")[1].split()[0]  # a new process
-    assert "rollout pool bundle 0" in first and "rollout pool bundle 0" in again  # in its own bundle
+    assert "rollout pool bundle 1" in first and "rollout pool bundle 1" in again  # in its own bundle
     assert "all 4 ranks finished; rank 3 restarted 1 time(s)" in out
     ray = _records(tmp_path, "restart")
     assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == list(range(1, GRPO_STEPS + 1))
@@ -206,3 +206,38 @@ def test_a_killed_pool_rank_is_restarted_and_the_run_finishes(tmp_path, ray_ok, 
                     "response_length/mean", "val/score/mean"):
             assert (key in a) == (key in b), (a["step"], key)
             assert a.get(key) == pytest.approx(b.get(key), rel=1e-6, abs=1e-12), (a["step"], key)
+
+
+RESTART = ["trainer.n_gpus_per_node=4", "trainer.rollout_pool_max_restarts=1"]
+SEPARATE = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=2"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["trainer.rollout_pool_max_restarts=-1"], "=-1: must be >= 0"),
+    (RESTART, "=1: only a separate pool's ranks are restarted"),
+    (RESTART + SEPARATE + ["trainer.off_policy_steps=1", "trainer.partial_rollout=true"],
+     "=1: not with trainer.partial_rollout"),
+    (RESTART + SEPARATE + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+     r"=1: a replacement rejoins single-rank engines only, not actor_rollout_ref\.rollout\."
+     "tensor_model_parallel_size=2"),
+    (RESTART + SEPARATE + ["trainer.device=cuda", "actor_rollout_ref.rollout.name=sglang"],
+     "=1: not with rollout backend 'sglang'"),
+])
+def test_restarts_are_refused_where_a_replacement_could_not_rejoin(extra, says):
+    from engine.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="^trainer.rollout_pool_max_restarts" + says):
+        load_config(os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), [*TINY, *extra])
+
+
+def test_restarts_are_refused_under_torchrun(monkeypatch):
+    """Only engine.launch_ray restarts a pool rank; under torchrun the key is refused before any
+    process group or store."""
+    from engine.config import load_config
+    from engine.errors import UsageError
+    from engine.train import open_pool
+    cfg = load_config(os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), [*TINY, *RESTART, *SEPARATE])
+    monkeypatch.delenv("TRIDENT_LAUNCHER", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UsageError, match="only python -m engine.launch_ray restarts a dead pool rank"):
+        open_pool(cfg)
