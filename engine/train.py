@@ -380,7 +380,7 @@ def serve_pool(cfg, bridge, n_train):
         group.shutdown()
 
 
-def _open_pool(cfg):
+def open_pool(cfg):
     """A separate pool's bridge and worlds: (bridge, training ranks, whether this rank serves,
     its rank in its world as the seed sees it). With trainer.rollout_pool_max_restarts the
     bridge is the store's (engine/rollout/bridge.py) and each pool rank is a world of its own
@@ -450,7 +450,7 @@ def _main(argv=None):
     components, bridge, serving = None, None, False
     seed_rank = None
     if cfg.trainer.rollout_pool == "separate":  # two worlds: trainers, pool (engine/rollout/pool.py)
-        bridge, train, serving, seed_rank = _open_pool(cfg)
+        bridge, train, serving, seed_rank = open_pool(cfg)
     else:
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     set_seed(cfg.trainer.seed + (dist.get_rank() if seed_rank is None else seed_rank))
