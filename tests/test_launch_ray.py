@@ -204,8 +204,9 @@ def test_a_killed_pool_rank_is_restarted_and_the_run_finishes(tmp_path, ray_ok, 
     for a, b in zip(torchrun, ray):  # the regenerated share is the one the dead rank made
         for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm",
                     "response_length/mean", "val/score/mean"):
-            assert (key in a) == (key in b), (a["step"], key)
-            assert a.get(key) == pytest.approx(b.get(key), rel=1e-6, abs=1e-12), (a["step"], key)
+            assert (key in a) == (key in b) == (key != "val/score/mean" or a["step"] == GRPO_STEPS)
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-12), (a["step"], key)
 
 
 RESTART = ["trainer.n_gpus_per_node=4", "trainer.rollout_pool_max_restarts=1"]
