@@ -145,7 +145,8 @@ def test_training_ranks_and_the_pool_get_placement_groups_of_their_own(ray_ok):
     """2 training + 2 pool ranks: each set in its own placement group (as each actor reports
     it), training ranks first, bundles 0 and 1 of each; the pool's actors may be restarted."""
     import ray
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # 2 CPUs beyond the 4 bundles: an actor placed outside its group would still start (and be seen)
+    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     launch = Launch(["recipe.yaml"], 4, 4, False, 1, 1, 120, pool=2, max_restarts=1)
     try:
