@@ -9,11 +9,13 @@ and every field it names matches (absent fields match anything):
     [{"kind": "oom", "step": 2, "micro": 1, "rank": 0}]     an out-of-memory in a micro-batch
     [{"kind": "hang", "step": 2, "phase": "update_actor", "rank": 1}]   a rank stops answering
     [{"kind": "kill", "step": 2, "phase": "ref", "rank": 1}]            a rank dies (SIGKILL)
+    [{"kind": "kill", "phase": "pool_generate", "call": 2, "incarnation": 0, "rank": 3}]
+                    a rollout pool rank dies after its 2nd generation (its replacement does not)
 
 `step` counts training steps from 1; an "oom" fires once per matching place (a retry passes), as
 does any fault with "once" (a transient fault: a step re-run after a rollback passes).
 
-Tests: tests/test_faults.py, tests/test_loop.py
+Tests: tests/test_faults.py, tests/test_loop.py, tests/test_launch_ray.py
 """
 import json
 import os
@@ -70,10 +72,10 @@ def fault(kind, **where):
     return None
 
 
-def act(phase):
-    """Hang or die here when planned (trainer phases call this)."""
-    if fault("hang", phase=phase):
+def act(phase, **where):
+    """Hang or die here when planned (trainer phases call this; `where`: more fields to match)."""
+    if fault("hang", phase=phase, **where):
         while True:  # a rank that stops answering: its peers time out in their collective
             time.sleep(3600)
-    if fault("kill", phase=phase):
+    if fault("kill", phase=phase, **where):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -7,8 +7,11 @@ same code path (each actor calls `engine.train.main(argv)`), same results.
   is started (no dashboard) with enough CPUs for the ranks.
 - Placement: one bundle per rank, trainer.nnodes x trainer.n_gpus_per_node of them:
   {"GPU": 1, "CPU": k} on GPUs, {"CPU": 1} on CPU (trainer.device, or what the cluster has
-  when it is 'auto'); STRICT_PACK on one node, PACK over several. Ranks are numbered node by
-  node (GPU order within a node) and every n_gpus_per_node consecutive ranks must share a
+  when it is 'auto'); STRICT_PACK on one node, PACK over several. Resource pools (verl's
+  resource-pool idea): with trainer.rollout_pool=separate the training ranks and the
+  trainer.rollout_pool_ranks pool ranks get a placement group each, so no bundle (GPU) holds
+  both; each actor reports its placement group. Ranks are numbered training ranks first, node by
+  node (GPU order within a node), and every n_gpus_per_node consecutive ranks must share a
   node, because the rollout topology (engine/rollout/topology.py) takes local rank = GPU index.
 - Rendezvous, as torchrun sets it: MASTER_ADDR (rank 0's node) and MASTER_PORT (free there),
   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK; on GPUs CUDA_VISIBLE_DEVICES
@@ -19,6 +22,10 @@ same code path (each actor calls `engine.train.main(argv)`), same results.
 - Failure: when a rank raises, exits non-zero or dies (killed, OOM, node lost), the others are
   killed at once and the driver reports the rank, its phase (engine.phase: the trainer's
   current phase) and the error, and exits 1.
+- Restart: a rollout pool rank that dies (not one that raises) is restarted in its bundle, up
+  to trainer.rollout_pool_max_restarts times, while training goes on: the new process rejoins
+  over the store bridge (engine/rollout/bridge.py), gets the weights re-sent and answers the
+  requests the dead one had not.
 
 The code must be importable on every node at the same path (it is put on PYTHONPATH). Ray 2.60
 clusters started with token authentication need the token here too (RAY_AUTH_TOKEN or its file).
@@ -51,6 +58,11 @@ class Placement:
     node_ip: str
     gpu_ids: Tuple[str, ...]
     pid: int
+    role: str = "train"  # or "rollout": the resource pool (placement group) it was placed in
+    group: str = ""  # the id of the placement group the actor runs in, as the actor sees it
+
+
+ROLES = ("train", "rollout")  # resource pools, in rank order
 
 
 def assign_ranks(placements: Sequence[Placement], per_node: int,
@@ -58,10 +70,10 @@ def assign_ranks(placements: Sequence[Placement], per_node: int,
     """(placement, rendezvous environment without MASTER_*) of rank 0, 1, ...: node by node in
     the order the nodes first appear among the bundles, by GPU id within a node."""
     order = {}
-    for p in sorted(placements, key=lambda p: p.bundle):
+    for p in sorted(placements, key=lambda p: (ROLES.index(p.role), p.bundle)):
         order.setdefault(p.node_id, len(order))
-    ranked = sorted(placements, key=lambda p: (order[p.node_id], tuple(int(g) for g in p.gpu_ids
-                                                                      if str(g).isdigit()), p.bundle))
+    ranked = sorted(placements, key=lambda p: (ROLES.index(p.role), order[p.node_id], tuple(
+        int(g) for g in p.gpu_ids if str(g).isdigit()), p.bundle))
     world = len(ranked)
     if world % per_node:
         raise ValueError(f"{world} ranks do not fill nodes of trainer.n_gpus_per_node={per_node}")
@@ -164,11 +176,12 @@ class RankActor:
     def __init__(self):
         self.capture = _Capture()
 
-    def where(self, bundle):
+    def where(self, bundle, role="train"):
         import ray
         ctx = ray.get_runtime_context()
         gpus = tuple(str(g) for g in ray.get_gpu_ids())
-        return Placement(bundle, ctx.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid())
+        return Placement(bundle, ctx.get_node_id(), ray.util.get_node_ip_address(), gpus, os.getpid(),
+                         role, ctx.get_placement_group_id() or "")
 
     def free_port(self):
         import socket
@@ -223,10 +236,13 @@ def _describe(error) -> str:
 
 
 class Launch:
-    def __init__(self, argv, world, per_node, gpu, cpus_per_rank, nnodes, pg_timeout):
+    def __init__(self, argv, world, per_node, gpu, cpus_per_rank, nnodes, pg_timeout, pool=0, max_restarts=0):
+        """pool: the last ranks that form the rollout pool (trainer.rollout_pool_ranks with a
+        separate pool, else 0); max_restarts: how often one of them is restarted."""
         self.argv, self.world, self.per_node, self.gpu = list(argv), world, per_node, gpu
         self.cpus_per_rank, self.nnodes, self.pg_timeout = cpus_per_rank, nnodes, pg_timeout
-        self.actors, self.pg = [], None
+        self.pool, self.max_restarts = pool, max_restarts
+        self.actors, self.pgs = [], []
 
     def log(self, msg, err=False):
         print(f"[launch_ray] {msg}", file=sys.stderr if err else sys.stdout, flush=True)
@@ -238,32 +254,40 @@ class Launch:
 
         bundle = {"GPU": 1, "CPU": self.cpus_per_rank} if self.gpu else {"CPU": 1}
         strategy = "STRICT_PACK" if self.nnodes == 1 else "PACK"
-        self.pg = placement_group([dict(bundle)] * self.world, strategy=strategy)
+        pools = [n for n in (self.world - self.pool, self.pool) if n]  # training ranks, rollout pool
+        self.pgs = [placement_group([dict(bundle)] * n, strategy=strategy) for n in pools]
         try:
-            ray.get(self.pg.ready(), timeout=self.pg_timeout)
+            ray.get([pg.ready() for pg in self.pgs], timeout=self.pg_timeout)
         except ray.exceptions.GetTimeoutError:
+            asked = " + ".join(f"{n} {role}" for role, n in zip(ROLES, pools))
             raise RuntimeError(
-                f"the cluster did not grant {self.world} bundles of {bundle} ({strategy}) within "
+                f"the cluster did not grant {asked} bundles of {bundle} ({strategy}) within "
                 f"{self.pg_timeout:.0f} s; it has {ray.available_resources()} free. Lower "
                 "trainer.nnodes / trainer.n_gpus_per_node, or add nodes") from None
         # `run` holds the default group; where / free_port / poll answer meanwhile
         cls = ray.remote(concurrency_groups={"io": 2})(RankActor)
-        for i in range(self.world):
-            strategy_i = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
-            opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                        scheduling_strategy=strategy_i, max_restarts=0)
-            self.actors.append(cls.options(**opts).remote())
-        placements = ray.get([a.where.options(concurrency_group="io").remote(i)
-                              for i, a in enumerate(self.actors)])
+        asked = []
+        for role, pg, n in zip(ROLES, self.pgs, pools):
+            for i in range(n):
+                strategy_i = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                # a pool rank comes back in its bundle; max_task_retries=0: its `run` fails, the
+                # driver starts it again (engine/rollout/bridge.py: it resumes from its restart point)
+                opts = dict(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy_i,
+                            max_restarts=self.max_restarts if role == "rollout" else 0, max_task_retries=0)
+                self.actors.append(cls.options(**opts).remote())
+                asked.append((role, i))
+        placements = ray.get([a.where.options(concurrency_group="io").remote(i, role)
+                              for a, (role, i) in zip(self.actors, asked)])
         ranked = assign_ranks(placements, self.per_node, self.gpu)
-        by_bundle = {p.bundle: a for p, a in zip(placements, self.actors)}
-        self.ranks = [(by_bundle[p.bundle], p, env) for p, env in ranked]
+        by_bundle = {(p.role, p.bundle): a for p, a in zip(placements, self.actors)}
+        self.ranks = [(by_bundle[p.role, p.bundle], p, env) for p, env in ranked]
         rank0, p0, _ = self.ranks[0]
         port = ray.get(rank0.free_port.options(concurrency_group="io").remote())
         for rank, (_, p, env) in enumerate(self.ranks):
-            env.update(forwarded_env(), MASTER_ADDR=p0.node_ip, MASTER_PORT=str(port))
-            self.log(f"rank {rank}: node {p.node_ip} pid {p.pid}"
-                     + (f" gpu {p.gpu_ids[0]}" if self.gpu else ""))
+            # TRIDENT_LAUNCHER: engine.train lets a pool rank be restarted only here
+            env.update(forwarded_env(), MASTER_ADDR=p0.node_ip, MASTER_PORT=str(port), TRIDENT_LAUNCHER="ray")
+            self.log(f"rank {rank}: node {p.node_ip} pid {p.pid}" + (f" gpu {p.gpu_ids[0]}" if self.gpu else "")
+                     + (f" {p.role} pool bundle {p.bundle}" if self.pool else ""))
 
     def run(self) -> int:
         import ray
@@ -275,6 +299,7 @@ class Launch:
         # 2: the rank left after a failed collective. The first failure opens a grace window.
         failed = {}
         until = None
+        restarts = collections.Counter()
         while runs and (until is None or time.monotonic() < until):
             ready, _ = ray.wait(list(runs) + list(polls.values()), num_returns=1, timeout=0.5)
             for ref in ready:
@@ -283,7 +308,8 @@ class Launch:
                     try:
                         lines, phase[rank] = ray.get(ref)
                     except ray.exceptions.RayError as e:  # the actor is gone
-                        failed.setdefault(rank, (0, phase[rank], _describe(e)))
+                        if not self._restarts(rank):  # else its `run` tells: restarted or failed
+                            failed.setdefault(rank, (0, phase[rank], _describe(e)))
                         del polls[rank]
                         continue
                     self._print(rank, lines)
@@ -293,6 +319,13 @@ class Launch:
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as e:  # the actor died: killed, OOM, node lost
+                    if not failed and restarts[rank] < self._restarts(rank):
+                        restarts[rank] += 1
+                        self.log(f"rank {rank} (rollout pool) died in phase '{phase[rank]}': {_describe(e)}; "
+                                 f"restarting it ({restarts[rank]} of {self.max_restarts})", err=True)
+                        runs[self._restart(rank)] = rank
+                        polls[rank], phase[rank] = self._poll(rank), "restart"
+                        continue
                     failed[rank] = (0, phase[rank], _describe(e))
                     continue
                 self._drain(rank, polls.pop(rank))
@@ -302,7 +335,8 @@ class Launch:
             if failed and until is None:
                 until = time.monotonic() + GRACE_S
         if not failed:
-            self.log(f"all {self.world} ranks finished")
+            again = "".join(f"; rank {r} restarted {n} time(s)" for r, n in sorted(restarts.items()))
+            self.log(f"all {self.world} ranks finished{again}")
             return 0
         # a rank that died, else one that raised, is the cause; peers that lost it are the effect
         rank = min(failed, key=lambda r: (failed[r][0], r))
@@ -316,6 +350,29 @@ class Launch:
             self.log(f"then rank {other} in phase '{failed[other][1]}': {failed[other][2]}", err=True)
         self.log(f"stopped rank(s) {running}; exit code 1", err=True)
         return 1
+
+    def _restarts(self, rank):
+        """How often `rank` may be restarted: a pool rank's max_restarts, a training rank never."""
+        return self.max_restarts if rank >= self.world - self.pool else 0
+
+    def _restart(self, rank):
+        """Run the restarted actor of `rank` again (Ray brings its process back in its bundle):
+        the same environment, so it meets the same store."""
+        import ray
+        actor, old, env = self.ranks[rank]
+        deadline = time.monotonic() + self.pg_timeout
+        while True:
+            try:
+                p = ray.get(actor.where.options(concurrency_group="io").remote(old.bundle, old.role),
+                            timeout=self.pg_timeout)
+                break
+            except ray.exceptions.ActorUnavailableError:  # still restarting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.ranks[rank] = (actor, p, env)
+        self.log(f"rank {rank} restarted: node {p.node_ip} pid {p.pid} {p.role} pool bundle {p.bundle}")
+        return actor.run.remote(self.argv, env, os.getcwd())
 
     def _poll(self, rank, timeout=1.0):
         return self.ranks[rank][0].poll.options(concurrency_group="io").remote(timeout)
@@ -344,10 +401,10 @@ class Launch:
                 pass
         if wait_for:
             ray.wait(list(wait_for), num_returns=len(wait_for), timeout=KILL_WAIT_S)
-        if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self.pg)
-            self.pg = None
+        from ray.util.placement_group import remove_placement_group
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []
 
 
 def parse_args(argv):
@@ -388,8 +445,10 @@ def main(argv=None) -> int:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world * args.cpus_per_rank)
                  + world * cfg.reward_model.num_workers, include_dashboard=False, **common)
     gpu = t.device == "cuda" or (t.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    pool = t.rollout_pool_ranks if t.rollout_pool == "separate" else 0
     launch = Launch([args.recipe, *args.overrides], world, t.n_gpus_per_node, gpu,
-                    args.cpus_per_rank, t.nnodes, args.pg_timeout)
+                    args.cpus_per_rank, t.nnodes, args.pg_timeout, pool=pool,
+                    max_restarts=t.rollout_pool_max_restarts)
     try:
         return launch.run()
     except (RuntimeError, ValueError, ray.exceptions.RayError) as e:  # before any rank ran

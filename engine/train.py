@@ -265,9 +265,10 @@ def build(cfg, world_size, watch=None, prepared: Optional[Prepared] = None, brid
                                train_data, val_data, checkpoints, peak, reward_model, watch, bridge, pad)
 
 
-def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None, pad_id=None):
+def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None, pad_id=None, rank=None):
     """This rank's part of the rollout groups; the ranks the topology names build the engine.
-    pad_id: the run's (default: engine.data.pad_token_id(tokenizer), decided here once)."""
+    pad_id: the run's (default: engine.data.pad_token_id(tokenizer), decided here once); rank:
+    this rank's in the topology (default: its torch.distributed rank)."""
     from engine.data import pad_token_id
     from megatron.core import parallel_state as ps
 
@@ -282,7 +283,7 @@ def build_rollout(cfg, topology, hf_config, tokenizer, dp_rank=None, pad_id=None
     def engine(placement):
         return make_rollout(r.name, hf_config, eos, **_rollout_kwargs(cfg, hf_config, tokenizer, placement, pad))
     return GroupedRollout(topology, backend_class(r.name), engine,
-                          dp_rank=ps.get_data_parallel_rank() if dp_rank is None else dp_rank)
+                          dp_rank=ps.get_data_parallel_rank() if dp_rank is None else dp_rank, rank=rank)
 
 
 def _rollout_kwargs(cfg, hf_config, tokenizer, placement, pad):
@@ -322,6 +323,20 @@ def _refuse_spmd_pool(cfg):
                          "separate pool does not drive SPMD engines yet; use trainer.rollout_pool=colocated")
 
 
+def _faulty(generate, incarnation):
+    """`generate`, then the faults planned for phase 'pool_generate' at this call (counted from 1
+    in this process) and this process's incarnation (0: the first; engine/rollout/bridge.py)."""
+    from engine import faults
+    calls = [0]
+
+    def run(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        calls[0] += 1
+        faults.act("pool_generate", call=calls[0], incarnation=incarnation)
+        return out
+    return run
+
+
 def _config_dir(hf_config, tokenizer):
     """A model built from an inline config has no directory; SGLang needs one for its config and
     tokenizer (the weights arrive through the hand-off: load_format='dummy')."""
@@ -340,17 +355,57 @@ def serve_pool(cfg, bridge, n_train):
     _refuse_spmd_pool(cfg)
     tokenizer = load_tokenizer(cfg)
     derived = derive(cfg, n_train, dataset_len=1 << 30)  # checks the layout; steps do not matter here
+    if cfg.trainer.rollout_pool_max_restarts:  # the backend this machine resolved, as validation could not
+        from engine.config.validate_pool import KEY, restart_refusal
+        from engine.rollout.registry import rollout_backend
+        why = restart_refusal(cfg, rollout_backend(cfg.actor_rollout_ref.rollout.name, cfg.trainer.device, here=True))
+        if why:
+            raise ValueError(f"{KEY}={cfg.trainer.rollout_pool_max_restarts}: {why}")
     hf_config = load_hf_config(cfg.actor_rollout_ref.model, vocab_size=len(tokenizer))
-    group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0)
+    group = build_rollout(derived.config, derived.rollout_topology, hf_config, tokenizer, dp_rank=0,
+                          rank=bridge.rank - n_train)
     generate, r = engine_generate, derived.config.actor_rollout_ref.rollout
     if r.multi_turn.enable:  # the pool's engines run the turns; the tools run beside them
         from engine.rollout import tool_actor
         generate = tool_actor.from_config(r.multi_turn, tokenizer, r.response_length,
                                           [tokenizer.eos_token_id] + list(r.stop_token_ids), engine_generate)
+    from engine import faults
+    from engine.phase import set_phase
+    set_phase("rollout_pool")
+    if faults.ENV in os.environ:  # a pool rank killed after its n-th generation (tests)
+        generate = _faulty(generate, getattr(bridge, "incarnation", 0))
     try:
         serve(bridge, group, n_train, generate=generate, partial=cfg.trainer.partial_rollout)
     finally:
         group.shutdown()
+
+
+def open_pool(cfg):
+    """A separate pool's bridge and worlds: (bridge, training ranks, whether this rank serves,
+    its rank in its world as the seed sees it). With trainer.rollout_pool_max_restarts the
+    bridge is the store's (engine/rollout/bridge.py) and each pool rank is a world of its own
+    (a replacement joins no group of the dead rank's): engine.launch_ray restarts a dead one."""
+    from engine.rollout.pool import Bridge, pool_ranks
+    from parallel.mesh import init_distributed
+    t = cfg.trainer
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    train, pool = pool_ranks(world, t.rollout_pool_ranks)
+    serving = rank in pool
+    if not t.rollout_pool_max_restarts:
+        init_distributed(t.collective_timeout_s, ranks=pool if serving else train, name="pool" if serving else "train")
+        return Bridge(rank, world, t.collective_timeout_s), train, serving, None
+    from engine.errors import UsageError
+    from engine.rollout.bridge import StoreBridge
+    if os.environ.get("TRIDENT_LAUNCHER") != "ray":
+        raise UsageError(f"trainer.rollout_pool_max_restarts={t.rollout_pool_max_restarts}: only "
+                         "python -m engine.launch_ray restarts a dead pool rank (under torchrun a dead rank "
+                         "ends the job); launch with engine.launch_ray, or set it to 0")
+    bridge = StoreBridge(rank, world, t.collective_timeout_s, durable=serving)
+    if serving:
+        init_distributed(t.collective_timeout_s, ranks=range(rank, rank + 1), name=f"pool{rank}.{bridge.incarnation}")
+        return bridge, train, True, rank - pool.start
+    init_distributed(t.collective_timeout_s, ranks=train, name="train")
+    return bridge, train, False, None
 
 
 def main(argv=None):
@@ -393,17 +448,12 @@ def _main(argv=None):
     from engine.guards import CollectiveWatch, is_collective_failure
     watch = CollectiveWatch().install()
     components, bridge, serving = None, None, False
+    seed_rank = None
     if cfg.trainer.rollout_pool == "separate":  # two worlds: trainers, pool (engine/rollout/pool.py)
-        from engine.rollout.pool import Bridge, pool_ranks
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        train, pool = pool_ranks(world, cfg.trainer.rollout_pool_ranks)
-        bridge = Bridge(rank, world, cfg.trainer.collective_timeout_s)
-        serving = rank in pool
-        init_distributed(cfg.trainer.collective_timeout_s, ranks=pool if serving else train,
-                         name="pool" if serving else "train")
+        bridge, train, serving, seed_rank = open_pool(cfg)
     else:
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
-    set_seed(cfg.trainer.seed + dist.get_rank())
+    set_seed(cfg.trainer.seed + (dist.get_rank() if seed_rank is None else seed_rank))
     # the ~500k objects of the imports (torch, megatron, transformers) live as long as the run:
     # frozen, every full collection after this (return_to_device makes one per phase, ~0.3 s
     # CPU each on a CPU core) walks only what the run itself creates; the PPO trainer freezes its

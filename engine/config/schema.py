@@ -465,6 +465,7 @@ class TrainerConfig:
     rollout_pool_ranks: int = 0
     off_policy_steps: int = 0  # k: steps up to t+k generate while step t trains (separate pool)
     partial_rollout: bool = False  # new weights pause the pool's generations, which go on from their tokens
+    rollout_pool_max_restarts: int = 0  # engine.launch_ray replaces a dead pool rank this many times
     # ppo; reward_model (Bradley-Terry on preference pairs); dpo; sft (conversations). The
     # offline tasks train the actor_rollout_ref.model with the actor's optim / megatron /
     # micro-batch keys

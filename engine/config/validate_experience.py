@@ -17,6 +17,8 @@ def validate_experience(cfg: TridentConfig) -> None:
     validate_sources(cfg)
     _offline_source(cfg)
     _partial_rollout(cfg)  # the separate pool's (tests/test_staleness.py)
+    from engine.config.validate_pool import validate_pool  # restarting its ranks
+    validate_pool(cfg)
     _model_rewards(cfg)
     rc = cfg.algorithm.rollout_correction
     try:

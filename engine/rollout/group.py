@@ -75,13 +75,15 @@ class GroupedRollout:
     `SHARES_BUCKETS` / `share_bucket` are used on every rank of a group).
     """
 
-    def __init__(self, topology: RolloutTopology, backend: type, engine_factory, dp_rank: int):
+    def __init__(self, topology: RolloutTopology, backend: type, engine_factory, dp_rank: int,
+                 rank: Optional[int] = None):
         self.topology, self.backend = topology, backend
         # the transfer plan's delivery (engine/rollout/delivery.py): slices, or whole tensors per
         # TP worker for backends whose workers read each member's copy
         self.loads_slices = backend.LOADS_SLICES or backend.SHARES_BUCKETS
         self.whole_tensors = backend.SHARES_BUCKETS
-        self.rank = dist.get_rank()
+        # rank: this rank's in the topology (a restartable pool rank is a world of its own)
+        self.rank = dist.get_rank() if rank is None else rank
         self.group = topology.group_of(self.rank)
         self.is_leader = self.group.leader == self.rank
         self.spmd = bool(getattr(backend, "SPMD", False))
