@@ -112,7 +112,9 @@ class Engine:
             self.fp8 = Fp8Linears(kwargs["model_path"])  # FP8 parameters for a block-FP8 model dir
             # the CPU model that generates holds what the FP8 parameters dequantise to
             config = unquantised_config(AutoConfig.from_pretrained(kwargs["model_path"]))
+            # at most max_running_requests decode together; the rest wait in the queue
             self.rollout = CPURollout(config, eos_token_ids=(),
+                                      max_num_seqs=kwargs.get("max_running_requests", 1 << 30),
                                       record_routing=bool(kwargs.get("enable_return_routed_experts")))
 
     # -- weights (each answers (success, message), as sglang's do) ----------------------------

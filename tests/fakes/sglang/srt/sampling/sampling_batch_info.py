@@ -84,8 +84,10 @@ def _run(rollout, prompts, sampling, request):
     paused = set(paused_rows(out))
     if not paused:
         return out, [None] * rows
-    # aborted: to_finish beats the stop-token and length checks, so a row that ended on the
-    # step the abort reached is reported aborted too (Req.update_finish_state)
-    last = [len(r) - b == request.calls for r, b in zip(out.responses, before)]
-    aborts = [RUNNING_ABORT if r in paused or last[r] else None for r in range(rows)]
-    return out, aborts
+    # aborted: a row never started (beyond max_running_requests) was in the waiting queue; to_finish
+    # beats the stop-token and length checks, so a row that ended on the step the abort reached
+    # (as many new tokens as the running ones) is reported aborted too (Req.update_finish_state)
+    made = [len(r) - b for r, b in zip(out.responses, before)]
+    step = max(made[r] for r in paused)
+    return out, [WAITING_ABORT if r in paused and made[r] == 0 else
+                 RUNNING_ABORT if r in paused or made[r] == step else None for r in range(rows)]
