@@ -24,6 +24,7 @@ import asyncio
 import threading
 
 POLL_S = 0.005  # sglang's abort loop sleeps 1.0 s between tries: only the wait differs
+PAUSED_WAIT_S = 20.0
 RUNNING_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT()
 WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}  # _handle_abort_req
 
@@ -63,9 +64,15 @@ class TokenizerManager:
         self._record = record  # the double's event log (tests/fakes/sglang/__init__.py _record)
 
     async def admit(self) -> Request:
-        """generate_request: wait while paused, then hold the reader lock (`release` gives it back)."""
+        """generate_request: wait while paused, then hold the reader lock (`release` gives it back).
+        sglang waits for continue_generation without end; the double raises after PAUSED_WAIT_S."""
+        waited = 0.0
         while self.is_pause:
+            if waited > PAUSED_WAIT_S:
+                raise RuntimeError(f"a request waited {PAUSED_WAIT_S:.0f} s for continue_generation after "
+                                   f"pause_generation(mode={self.mode!r}): sglang would wait forever")
             await asyncio.sleep(POLL_S)
+            waited += POLL_S
         request = Request(self)
         self.in_flight.append(request)
         return request
