@@ -118,6 +118,7 @@ def run(args) -> dict:
     ks = list(dict.fromkeys(args.off_policy_steps))
     if args.seeds:
         return run_seeds(args, ks)
+    args.response_length = args.response_length or 128
     with tempfile.TemporaryDirectory(prefix="bench_pool_") as tmp:
         runs = [_run_one(args, k, tmp) for k in ks]
     base = runs[0]
@@ -134,6 +135,9 @@ def run(args) -> dict:
               f"{r['response_mean']:>11.1f}{r['response_max']:>6.0f}  {r['staleness']} ({r['stale_samples']:.0f})")
     tails = ", ".join("k={} {:.1f}x".format(r["k"], r["response_max"] / max(r["response_mean"], 1e-9)) for r in runs)
     print(f"  step time relative to k={base['k']} over steps 2..{args.steps}; response length max / mean: {tails}")
+    if args.partial_rollout:
+        print("  samples straddling a weight update (partial rollouts): "
+              + ", ".join(f"k={r['k']} {r['partial_samples']:.0f}" for r in runs))
     return report
 
 
