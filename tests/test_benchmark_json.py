@@ -165,3 +165,31 @@ def test_pool_json_off_policy_against_on_policy(tmp_path):
     assert off["ratio"] == pytest.approx(off["step_s"] / on["step_s"]) and on["ratio"] == 1.0
     assert on["staleness"] == [0, 0, 0] and off["staleness"] == [0, 1, 2]  # the trainer's log, per step
     assert on["stale_samples"] == off["stale_samples"] == 0 and 1 <= on["response_max"] <= 4
+
+
+def test_pool_seeds_spread_is_the_written_statistics():
+    import statistics
+
+    from tools.bench_pool import spread
+    scores = [0.25, 0.5, 0.375]
+    s = spread(scores)
+    assert s["mean"] == pytest.approx(statistics.mean(scores)) and s["std"] == pytest.approx(statistics.stdev(scores))
+    assert (s["min"], s["max"], s["spread"]) == (0.25, 0.5, 0.25)
+    assert spread([0.5])["std"] == 0.0
+
+
+# ~4 runs of 2 steps (1 + 1 ranks): minutes on shared cores
+@pytest.mark.slow
+def test_pool_seeds_json_reports_each_runs_held_out_score(tmp_path):
+    report = _bench(tmp_path, "pool", "--seeds", "1", "2", "--off-policy-steps", "0", "1", "--steps", "2",
+                    "--train-ranks", "1", "--pool-ranks", "1", timeout=1500)
+    base, off = report["seeds"]["0"], report["seeds"]["1"]
+    assert report["baseline_k"] == 0 and report["steps"] == 2
+    for row in (base, off):
+        scores = list(row["scores"].values())
+        assert sorted(row["scores"]) == ["1", "2"] and all(0.0 <= x <= 1.0 for x in scores)
+        assert row["mean"] == pytest.approx(sum(scores) / 2)
+        assert row["spread"] == pytest.approx(max(scores) - min(scores))
+        assert row["mean_within_baseline_range"] == (base["min"] <= row["mean"] <= base["max"])
+        assert row["stale_samples"] == 0
+    assert base["mean_within_baseline_range"] and base["staleness_max"] == 0 and off["staleness_max"] == 1

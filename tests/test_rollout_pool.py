@@ -234,3 +234,37 @@ def test_partial_rollouts_through_the_pool(tmp_path):
         assert sum(r[f"rollout/staleness/hist/{j}"] for j in range(3)) == pytest.approx(1.0)
         assert r["actor/grad_norm"] > 0
     print("samples straddling an update per step:", [r["rollout/partial_samples"] for r in records])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_partial_rollouts_through_the_pool_on_sglang(tmp_path, tp):
+    """The same through SGLang (the recording double; the engine-level checks of versions and
+    log-probs: tests/test_partial_rollouts.py). Every pause is sglang's abort mode, and every
+    request it cut short is sent again as prompt + exactly the tokens it answered (nothing
+    discarded, nothing made twice); a pause that cut responses short shows as straddling samples.
+    At rollout TP 2 the engine's leader alone drives it (the other pool rank only follows)."""
+    pool = ["trainer.rollout_pool=separate", f"trainer.rollout_pool_ranks={tp}", "trainer.off_policy_steps=2",
+            "trainer.partial_rollout=true", "data.max_response_length=48",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+            "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.max_num_seqs=1"]
+    records = _run(tmp_path, "partial", 1 + tp, pool, steps=4, sglang=True)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["rollout/stale_samples"] == 0 and r["rollout/staleness/max"] <= min(r["step"] - 1, 2)
+    log = [json.loads(line) for line in (tmp_path / "partial.sglang").read_text().splitlines()]
+    assert [e["kwargs"]["tp_size"] for e in log if e["kind"] == "init"] == [tp]  # one engine, on the leader
+    assert {e["mode"] for e in log if e["kind"] == "pause_generation"} <= {"abort"}
+    sent = [e for e in log if e["kind"] in ("generate", "async_generate")]
+    cut = 0
+    for e, after in zip(sent, sent[1:]):
+        n, params = e["n"], e["sampling_params"]
+        budget = lambda r: (params[r // n] if isinstance(params, list) else params)["max_new_tokens"]  # noqa: E731
+        paused = [e["prompts"][r // n] + e["responses"][r] for r, a in enumerate(e["aborts"] or [])
+                  if a is not None and len(e["responses"][r]) < budget(r)]
+        if paused:
+            assert after["prompts"] == paused and after["n"] == 1
+            cut += 1
+    print("generations cut short:", cut, "straddling samples per step:",
+          [r["rollout/partial_samples"] for r in records])
+    assert (cut > 0) == (sum(r["rollout/partial_samples"] for r in records) > 0)

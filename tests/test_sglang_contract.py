@@ -186,7 +186,7 @@ def fragment_problems(src: SglangSource, functions: dict) -> list:
 
 def pause_problems(src: SglangSource, used_api: dict) -> list:
     """The pause / continue requests' fields, the pause mode among the Literal of `mode`, and
-    where they act (partial rollouts: SGLangRollout.pause_requests / continue_requests)."""
+    where they act (partial rollouts: SGLangRollout.abort_requests / continue_generation)."""
     path = "sglang/srt/managers/io_struct.py"
     problems = []
     for name, fields in used_api["pause_requests"].items():

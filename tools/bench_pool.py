@@ -2,7 +2,20 @@
 
     python tools/benchmark.py pool [--off-policy-steps 0 1 2] [--steps 6] [--train-ranks 2]
                                    [--pool-ranks 2] [--response-length 128] [--oversample 1.5]
+                                   [--partial-rollout]
     # measured here (2 shared cores, 2 + 2 ranks, 6 steps, 128 tokens): see the report's ratios
+    python tools/benchmark.py pool --seeds 1 2 3 --off-policy-steps 0 2 --steps 30
+    # the held-out score per seed and k (validated after the last step), mean and spread
+
+--partial-rollout: the runs at k >= 1 pause their generations for new weights and go on from the
+tokens they have (trainer.partial_rollout), so a long response is not held to old weights.
+
+--seeds: one run per (k, seed) of the demo as it is (its own response length unless
+--response-length is given), each seed setting trainer.seed, actor_rollout_ref.rollout.seed and
+actor_rollout_ref.actor.megatron.seed (the model's initialisation); the held-out set is the same
+for every run (data.seed is kept). It prints every run's held-out score (val/score/mean after the
+last step), each k's mean, spread (max - min) and standard deviation, and whether each k's mean lies
+within the baseline k's seed-to-seed range [min, max].
 
 Every run trains recipes/tiny_cpu_demo.yaml on the same ranks (training ranks + a separate pool,
 trainer.rollout_pool=separate) with one trainer.off_policy_steps each, and reports the mean
@@ -38,22 +51,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "tiny_cpu_demo.yaml")
 
 
-def _staleness(text):
-    """argparse type of --off-policy-steps: an integer k >= 0."""
-    import argparse
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0; give the staleness bound k, e.g. 2")
-    return int(text)
+def _whole(what):
+    """argparse type: an integer >= 0; `what` says what it is, e.g. "the staleness bound k, e.g. 2"."""
+    def parse(text):
+        import argparse
+        if not text.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0; give {what}")
+        return int(text)
+    return parse
 
 
 def add_arguments(p):
     from engine.errors import positive
-    p.add_argument("--off-policy-steps", type=_staleness, nargs="+",
+    p.add_argument("--off-policy-steps", type=_whole("the staleness bound k, e.g. 2"), nargs="+",
                    default=[0, 1, 2], help="one run per k (trainer.off_policy_steps); the first is the baseline")
     p.add_argument("--steps", type=positive(int, "the training steps per run, e.g. 6"), default=6)
     p.add_argument("--train-ranks", type=positive(int, "the training ranks, e.g. 2"), default=2)
     p.add_argument("--pool-ranks", type=positive(int, "the rollout pool's ranks, e.g. 2"), default=2)
-    p.add_argument("--response-length", type=positive(int, "the most response tokens, e.g. 128"), default=128)
+    p.add_argument("--response-length", type=positive(int, "the most response tokens, e.g. 128"), default=None,
+                   help="default 128; with --seeds the demo's own (recipes/tiny_cpu_demo.yaml)")
+    p.add_argument("--partial-rollout", action="store_true",
+                   help="runs at k >= 1 pause generations for new weights (trainer.partial_rollout)")
+    p.add_argument("--seeds", type=_whole("a seed, e.g. 1"), nargs="+", default=None,
+                   help="held-out score per seed and k, mean and spread (one run per pair)")
     p.add_argument("--oversample", type=positive(float, "the generation batch over the train batch, e.g. 1.5"),
                    default=1.0, help="data.gen_batch_size = this x train_batch_size at k >= 1")
 
@@ -64,17 +84,26 @@ def gen_batch_size(oversample, train_batch_size, dp):
     return -(-want // dp) * dp
 
 
-def _run_one(args, k, tmp):
+def _run_one(args, k, tmp, seed=None):
     nproc = args.train_ranks + args.pool_ranks
-    name = f"off_policy_{k}"
+    name = f"off_policy_{k}" + ("" if seed is None else f"_seed_{seed}")
+    length = args.response_length or (None if seed is not None else 128)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "engine.train", RECIPE, "trainer.resume_mode=disable", "trainer.save_freq=-1",
-           "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+           # --seeds: validated after the last step (test_freq: every `steps` and at the last)
+           f"trainer.test_freq={-1 if seed is None else args.steps}", "trainer.val_before_train=false",
+           "trainer.logger=[jsonl]",
            f"trainer.total_training_steps={args.steps}", f"trainer.experiment_name={name}",
            f"trainer.n_gpus_per_node={nproc}", "trainer.rollout_pool=separate",
            f"trainer.rollout_pool_ranks={args.pool_ranks}", f"trainer.off_policy_steps={k}",
-           f"data.max_response_length={args.response_length}", f"trainer.log_dir={tmp}/logs/{name}",
-           f"trainer.default_local_dir={tmp}/ckpt/{name}"]
+           f"trainer.log_dir={tmp}/logs/{name}", f"trainer.default_local_dir={tmp}/ckpt/{name}"]
+    if length is not None:
+        cmd.append(f"data.max_response_length={length}")
+    if args.partial_rollout and k >= 1:
+        cmd.append("trainer.partial_rollout=true")
+    if seed is not None:
+        cmd += [f"trainer.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
+                f"actor_rollout_ref.actor.megatron.seed={seed}"]
     gen = gen_batch_size(args.oversample, _train_batch_size(), args.train_ranks) if k >= 1 else None
     if gen is not None and gen > _train_batch_size():
         cmd.append(f"data.gen_batch_size={gen}")
@@ -94,7 +123,10 @@ def _run_one(args, k, tmp):
             "staleness": [r.get("rollout/staleness/max") for r in records],
             "stale_samples": sum(r.get("rollout/stale_samples", 0.0) for r in records),
             "response_mean": sum(r["response_length/mean"] for r in records) / len(records),
-            "response_max": max(r["response_length/max"] for r in records)}
+            "response_max": max(r["response_length/max"] for r in records),
+            "partial_samples": sum(r.get("rollout/partial_samples", 0.0) for r in records),
+            "seed": seed, "val_score": next((r["val/score/mean"] for r in reversed(records)
+                                             if "val/score/mean" in r), None)}
 
 
 def _train_batch_size():
@@ -107,6 +139,9 @@ def run(args) -> dict:
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: the mean leaves out the first step; give at least 2")
     ks = list(dict.fromkeys(args.off_policy_steps))
+    if args.seeds:
+        return run_seeds(args, ks)
+    args.response_length = args.response_length or 128
     with tempfile.TemporaryDirectory(prefix="bench_pool_") as tmp:
         runs = [_run_one(args, k, tmp) for k in ks]
     base = runs[0]
@@ -127,4 +162,48 @@ def run(args) -> dict:
               f"{r['response_mean']:>11.1f}{r['response_max']:>6.0f}  {r['staleness']} ({r['stale_samples']:.0f})")
     tails = ", ".join("k={} {:.1f}x".format(r["k"], r["response_max"] / max(r["response_mean"], 1e-9)) for r in runs)
     print(f"  step time relative to k={base['k']} over steps 2..{args.steps}; response length max / mean: {tails}")
+    if args.partial_rollout:
+        print("  samples straddling a weight update (partial rollouts): "
+              + ", ".join(f"k={r['k']} {r['partial_samples']:.0f}" for r in runs))
     return report
+
+
+def spread(scores) -> dict:
+    """mean, min, max, spread (max - min) and standard deviation (n - 1) of a k's scores."""
+    n = len(scores)
+    mean = sum(scores) / n
+    std = (sum((x - mean) ** 2 for x in scores) / (n - 1)) ** 0.5 if n > 1 else 0.0
+    return {"mean": mean, "min": min(scores), "max": max(scores), "spread": max(scores) - min(scores), "std": std}
+
+
+def run_seeds(args, ks) -> dict:
+    """The held-out score of one run per (k, seed), side by side."""
+    seeds = list(dict.fromkeys(args.seeds))
+    with tempfile.TemporaryDirectory(prefix="bench_pool_seeds_") as tmp:
+        runs = {k: [_run_one(args, k, tmp, seed=s) for s in seeds] for k in ks}
+    base = ks[0]
+    table = {}
+    for k, rs in runs.items():
+        scores = [r["val_score"] for r in rs]
+        table[str(k)] = dict(spread(scores), scores={str(r["seed"]): r["val_score"] for r in rs},
+                             step_s=sum(r["step_s"] for r in rs) / len(rs),
+                             staleness_max=max((x for r in rs for x in r["staleness"] if x is not None), default=0),
+                             stale_samples=sum(r["stale_samples"] for r in rs))
+    b = table[str(base)]
+    for row in table.values():
+        row["mean_within_baseline_range"] = b["min"] <= row["mean"] <= b["max"]
+        row["seeds_within_baseline_range"] = sum(b["min"] <= x <= b["max"] for x in row["scores"].values())
+    print(f"pool --seeds: {args.train_ranks} training + {args.pool_ranks} rollout ranks, {args.steps} steps, "
+          f"held-out score (val/score/mean after the last step) per seed"
+          + (", partial rollouts at k >= 1" if args.partial_rollout else ""))
+    print(f"  {'k':>3}" + "".join(f"{'seed ' + str(s):>10}" for s in seeds)
+          + f"{'mean':>9}{'spread':>9}{'std':>8}{'step s':>8}  within k={base}'s [min, max]")
+    for k in ks:
+        row = table[str(k)]
+        print(f"  {k:>3}" + "".join(f"{row['scores'][str(s)]:>10.4f}" for s in seeds)
+              + f"{row['mean']:>9.4f}{row['spread']:>9.4f}{row['std']:>8.4f}{row['step_s']:>8.2f}"
+              f"  mean {'yes' if row['mean_within_baseline_range'] else 'no'}, "
+              f"{row['seeds_within_baseline_range']}/{len(seeds)} seeds")
+    print(f"  k={base}'s seed-to-seed range: [{b['min']:.4f}, {b['max']:.4f}]")
+    return {"seeds": table, "baseline_k": base, "steps": args.steps, "cores": os.cpu_count(),
+            "ranks": args.train_ranks + args.pool_ranks}

@@ -4,6 +4,7 @@
     python tools/benchmark.py reshard [--size-mb 200]
     python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
     python tools/benchmark.py pool [--off-policy-steps 0 1 2]   # separate pool at staleness k
+    python tools/benchmark.py pool --seeds 1 2 3 --off-policy-steps 0 2 --steps 30  # held-out score
     python tools/benchmark.py all                      # every subcommand with its defaults
 
 Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register

@@ -166,7 +166,12 @@ def _partial_rollout(cfg: TridentConfig) -> None:
     if t.rollout_pool != "separate" or t.off_policy_steps < 1:
         fail("trainer.partial_rollout", True, "weights arrive during a generation only when a separate pool "
              "works ahead: set trainer.rollout_pool=separate and off_policy_steps >= 1, or remove it")
-    if r.name not in ("cpu", "hf") or r.tensor_model_parallel_size != 1 or r.multi_turn.enable:
+    # an SGLang engine is driven by its group's leader alone; cpu / hf groups of TP > 1 decode together
+    tp_ok = r.name == "sglang" or r.tensor_model_parallel_size == 1
+    if r.name not in ("cpu", "hf", "sglang") or not tp_ok or r.multi_turn.enable:
         fail("trainer.partial_rollout", True, f"the pool pauses and continues engines of the cpu / hf backends "
-             f"at rollout TP 1, single-turn, so far (rollout.name={r.name!r}, tensor_model_parallel_size="
-             f"{r.tensor_model_parallel_size}); remove it")
+             f"at rollout TP 1 and sglang, single-turn, so far (rollout.name={r.name!r}, "
+             f"tensor_model_parallel_size={r.tensor_model_parallel_size}); remove it")
+    if cfg.actor_rollout_ref.actor.router_replay:  # the engines refuse it at the first continuation
+        fail("trainer.partial_rollout", True, "a continued response's expert routing is not recorded (the new "
+             "weights would route its old tokens): set actor_rollout_ref.actor.router_replay=false or remove it")

@@ -1,8 +1,8 @@
 """Partial rollouts: a generation paused when new weights arrive goes on from the tokens it has.
 
 The protocol (the CPU backend: engine/rollout/cpu.py `generate(..., should_pause=)` and
-`continue_generation`; SGLang's is pause_generation / continue_generation on its tokenizer
-manager, engine/rollout/sglang.py USED_API):
+`continue_generation`; SGLang the same, by aborting its requests in flight and sending prompt +
+tokens again: engine/rollout/sglang_partial.py):
 
     out = engine.generate(prompts, sampling, keys, should_pause=weights_waiting)
     versions = stamp(None, out, v)                      # every token so far: version v

@@ -7,10 +7,15 @@ then ``update_weights_from_distributed`` per bucket: engine/rollout/update_group
 ``release_memory_occupation`` (the engine runs with ``enable_memory_saver=True``). sglang is
 imported only when an engine is built, so nothing on a CPU machine imports it.
 
-Every sglang name this file relies on is listed in ``USED_API``;
+Partial rollouts (``generate(should_pause=)`` / ``continue_generation``, driven by the separate
+pool: engine/rollout/pool.py) abort the requests in flight and send prompt + tokens again:
+engine/rollout/sglang_partial.py.
+
+Every sglang name this file (and sglang_partial.py) relies on is listed in ``USED_API``;
 tests/test_sglang_contract.py checks each against the source of the pinned wheel.
 
-Tests: tests/test_sglang_contract.py, tests/test_sglang_double.py, tests/test_fp8_checkpoint.py,
+Tests: tests/test_sglang_contract.py, tests/test_sglang_double.py, tests/test_partial_rollouts.py,
+tests/test_fp8_checkpoint.py,
 tests/gpu/test_sglang_gpu.py
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from engine.rollout.base import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutAborted, RolloutEngine,
                                  RolloutOutput, SamplingParams, register_rollout)
+from engine.rollout.sglang_partial import PartialRollouts, paused_results
 
 SGLANG_VERSION = "0.5.21"
 
@@ -66,20 +72,42 @@ USED_API = {
     },
     # LocalSerializedTensor(values=[one handle per TP rank])
     "LocalSerializedTensor": ["values"],
-    # partial rollouts (pause_requests / continue_requests): the control requests' fields, the pause
-    # mode, and where they act: "file:Class.function" -> fragments (the engine runs its manager's
-    # coroutines on Engine.loop; "retract" puts running requests back in the waiting queue)
+    # partial rollouts (engine/rollout/sglang_partial.py): mode "abort" answers each request's tokens
+    # so far (the others keep the requests and do not mark the weights' change); the pause is lifted
+    # at once and prompt + tokens sent again. "file:Class.function" -> fragments
     "pause_requests": {"PauseGenerationReqInput": ["mode"], "ContinueGenerationReqInput": ["torch_empty_cache"]},
-    "pause_mode": "retract",
+    "pause_mode": "abort",
     "partial_rollouts": {
         "sglang/srt/entrypoints/engine.py:Engine.flush_cache":
             ["self.loop.run_until_complete(self.tokenizer_manager.flush_cache())"],
+        # abort mode: abort every request until none holds the reader lock (all have answered)
         "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.pause_generation":
-            ["self.is_pause = True", "await self._async_dispatch_to_scheduler(obj)"],
+            ["self.is_pause = True", "if obj.mode != 'abort':", "self.abort_request(abort_all=True)",
+             "is_locked = await self.model_update_lock.is_locked()"],
         "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.continue_generation":
-            ["self.is_pause = False", "await self._async_dispatch_to_scheduler(obj)"],
-        "sglang/srt/managers/scheduler.py:Scheduler.pause_generation":
-            ["retract_all(", "self._add_request_to_queue(req)"],
+            ["self.is_pause = False", "self.is_pause_cond.notify_all()"],
+        # a request waits while paused, then holds the reader lock until it has answered
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager.generate_request":
+            ["await self.is_pause_cond.wait_for(lambda: not self.is_pause)",
+             "async with self.model_update_lock.reader_lock:"],
+        "sglang/srt/managers/scheduler.py:Scheduler.continue_generation": ["self._engine_paused = False"],
+        # a running request finishes after one more decode step with the tokens it has (to_finish
+        # beats the stop-token and length checks: its last token may be a stop token, or its
+        # last allowed one); a waiting one answers no tokens, "Abort in waiting queue"
+        "sglang/srt/managers/scheduler.py:Scheduler.abort_request":
+            ["req.to_finish = FINISH_ABORT()", "_make_abort_req(req"],
+        "sglang/srt/managers/schedule_batch.py:Req.update_finish_state":
+            ["if self.to_finish:\n        self.finished_reason = self.to_finish\n        self.to_finish = None\n"
+             "        return\n    new_accepted_tokens"],
+        "sglang/srt/managers/schedule_batch.py:FINISH_ABORT.__init__":
+            ["self.message = message or 'Aborted'", "self.status_code = status_code"],
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager._handle_abort_req":
+            ["'Abort in waiting queue'", "self.add_logprob_to_meta_info("],
+        # only aborts with a status code are errors (raised, or answered: never a pause)
+        "sglang/srt/managers/tokenizer_manager.py:TokenizerManager._handle_abort_finish_reason":
+            ["HTTPStatus.BAD_REQUEST", "HTTPStatus.SERVICE_UNAVAILABLE", "HTTPStatus.INTERNAL_SERVER_ERROR"],
+        # seeded sampling draws from (seed, position): a resent prefix keeps its positions
+        "sglang/srt/layers/sampler.py:multinomial_with_seed": ["murmur_hash32(seed, positions, col_indices)"],
     },
     # memory tags of release / resume_memory_occupation (sglang/srt/constants.py)
     "memory_tags": ["weights", "kv_cache", "cuda_graph"],
@@ -244,7 +272,7 @@ def parse_result(result: dict, prompt_len: int, routing_top_k: Optional[int] = N
 
 
 @register_rollout("sglang")
-class SGLangRollout(RolloutEngine):
+class SGLangRollout(PartialRollouts, RolloutEngine):
     """Rollout through ``sglang.Engine`` (needs CUDA and sglang==0.5.21).
 
     One per rollout group, on the group's leader (``engine_fields`` of the topology give
@@ -378,11 +406,20 @@ class SGLangRollout(RolloutEngine):
 
     # -- generation ------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 keys: Optional[Sequence[int]] = None) -> RolloutOutput:
+                 keys: Optional[Sequence[int]] = None, should_pause=None) -> RolloutOutput:
+        """`should_pause()` (partial rollouts: engine/rollout/partial.py), asked while the requests
+        run, stops them when it answers True: the rows not finished come back with finish reason
+        FINISH_PAUSED and the tokens they have (each made by the weights loaded now);
+        `continue_generation` goes on."""
         prompts, inputs, params = self._requests(prompt_ids, sampling, keys)
-        results = self.engine.generate(input_ids=inputs, sampling_params=params,
-                                       return_logprob=True, return_routed_experts=self.record_routing)
-        return self._output(results, prompts, sampling.n)
+        if should_pause is None:
+            results = self.engine.generate(input_ids=inputs, sampling_params=params,
+                                           return_logprob=True, return_routed_experts=self.record_routing)
+            return self._output(results, prompts, sampling.n)
+        results, paused = self.run_async(self.pausable(inputs, params, should_pause))
+        return self._output(results, prompts, sampling.n,
+                            budgets=[sampling.max_new_tokens] * len(results) if paused else None,
+                            sampling=sampling)
 
     async def agenerate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                         keys: Optional[Sequence[int]] = None) -> RolloutOutput:
@@ -415,11 +452,15 @@ class SGLangRollout(RolloutEngine):
             inputs, params = prompts, sampling_dict(sampling, self.eos_token_ids)
         return prompts, inputs, params
 
-    def _output(self, results, prompts, n) -> RolloutOutput:
+    def _output(self, results, prompts, n, budgets=None, sampling=None) -> RolloutOutput:
+        """budgets (paused requests: the tokens each could still make): the pause's aborts become
+        FINISH_PAUSED rows; any other abort is refused."""
         # sglang returns prompt-major order: all n samples of prompt 0, then prompt 1, ...
         prompt_index = [i for i in range(len(prompts)) for _ in range(n)]
-        parsed = [parse_result(r, len(prompts[i]), self.routing_top_k, self.routing_layers)
+        parsed = [list(parse_result(r, len(prompts[i]), self.routing_top_k, self.routing_layers))
                   for r, i in zip(results, prompt_index)]
+        if budgets is not None:  # the pause's aborts (engine/rollout/sglang_partial.py)
+            parsed = paused_results(parsed, results, budgets, sampling, self.eos_token_ids)
         aborted = [k for k, p in enumerate(parsed) if p[2] == FINISH_ABORT]
         if aborted:  # a partial response trained as a finished one would teach the policy to stop
             reason = results[aborted[0]]["meta_info"]["finish_reason"]
@@ -433,22 +474,6 @@ class SGLangRollout(RolloutEngine):
         return RolloutOutput(prompt_index=prompt_index, responses=[p[0] for p in parsed],
                              log_probs=[p[1] for p in parsed], finish_reasons=[p[2] for p in parsed],
                              routed_experts=[p[3] for p in parsed] if self.record_routing else None)
-
-    # -- partial rollouts (engine/rollout/partial.py) --------------------------------------
-    def pause_requests(self) -> None:
-        """The requests in flight stop where they are and wait, with their tokens, in the
-        scheduler's queue ("retract": their KV is freed and prefilled again, prefix included, with
-        whatever weights are loaded before `continue_requests`); nothing is discarded. Run on the
-        engine's event loop, as sglang's own control calls are."""
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-        request = PauseGenerationReqInput(mode=USED_API["pause_mode"])
-        self.engine.loop.run_until_complete(self.engine.tokenizer_manager.pause_generation(request))
-
-    def continue_requests(self) -> None:
-        """The paused requests go on (after a weight update: from their prefix, new weights)."""
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-        request = ContinueGenerationReqInput(torch_empty_cache=False)
-        self.engine.loop.run_until_complete(self.engine.tokenizer_manager.continue_generation(request))
 
     # -- memory ----------------------------------------------------------------------------
     @staticmethod

@@ -112,7 +112,9 @@ class Engine:
             self.fp8 = Fp8Linears(kwargs["model_path"])  # FP8 parameters for a block-FP8 model dir
             # the CPU model that generates holds what the FP8 parameters dequantise to
             config = unquantised_config(AutoConfig.from_pretrained(kwargs["model_path"]))
+            # at most max_running_requests decode together; the rest wait in the queue
             self.rollout = CPURollout(config, eos_token_ids=(),
+                                      max_num_seqs=kwargs.get("max_running_requests", 1 << 30),
                                       record_routing=bool(kwargs.get("enable_return_routed_experts")))
 
     # -- weights (each answers (success, message), as sglang's do) ----------------------------
@@ -265,35 +267,53 @@ class Engine:
                              return_routed_experts=False):
         """sglang/srt/entrypoints/engine.py ``Engine.async_generate``: the same request as
         ``generate`` (a batch of input_ids answers a list, one list of ids a dict), answered when
-        the scheduler has run it; requests in flight together are batched by the scheduler, so
-        each yields to the others first."""
+        the scheduler has run it. It passes the tokenizer manager's pause gate and holds its
+        reader lock meanwhile (tokenizer_manager.py ``generate_request``); the scheduler (one
+        worker thread, as sglang's runs in a process of its own) runs it while the event loop
+        stays free for control requests (pause / continue: the modes act on it)."""
         import asyncio
-        self._bind_handle_loop(asyncio.get_running_loop())
-        await asyncio.sleep(0)
-        single = bool(input_ids) and isinstance(input_ids[0], int)
-        batch = [input_ids] if single else input_ids
-        params = [sampling_params] if single and isinstance(sampling_params, dict) else sampling_params
-        results = self._generate(batch, params, return_routed_experts, kind="async_generate")
+        import functools
+        loop = asyncio.get_running_loop()
+        self._bind_handle_loop(loop)
+        request = await self.tokenizer_manager.admit()
+        try:
+            await asyncio.sleep(0)  # requests sent together reach the scheduler together
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            batch = [input_ids] if single else input_ids
+            params = [sampling_params] if single and isinstance(sampling_params, dict) else sampling_params
+            results = await loop.run_in_executor(self._scheduler(), functools.partial(
+                self._generate, batch, params, return_routed_experts, kind="async_generate", request=request))
+        finally:
+            self.tokenizer_manager.release(request)
         return results[0] if single else results
+
+    def _scheduler(self):
+        if getattr(self, "_worker", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-sglang-scheduler")
+        return self._worker
 
     def generate(self, input_ids=None, sampling_params=None, return_logprob=False,
                  return_routed_experts=False):
+        if self.tokenizer_manager.is_pause:  # generate_request waits on is_pause_cond, on this thread
+            raise RuntimeError("Engine.generate while generation is paused (pause_generation without "
+                               "continue_generation): sglang would wait forever")
         self._bind_handle_loop(self.loop)
         return self._generate(input_ids, sampling_params, return_routed_experts)
 
-    def _generate(self, input_ids, sampling_params, return_routed_experts, kind="generate"):
+    def _generate(self, input_ids, sampling_params, return_routed_experts, kind="generate", request=None):
         from engine.rollout.base import FINISH_STOP
         from sglang.srt.managers.schedule_batch import fit_to_pool
         from sglang.srt.sampling.sampling_batch_info import generate
-        n, out = generate(self.rollout, input_ids, sampling_params,
-                          bool(self.kwargs.get("enable_deterministic_inference")), self.generator)
+        n, out, aborts = generate(self.rollout, input_ids, sampling_params,
+                                  bool(self.kwargs.get("enable_deterministic_inference")), self.generator, request)
         sampling = SimpleNamespace(n=n)
         _record(kind, prompts=[list(x) for x in input_ids], responses=out.responses, n=sampling.n,
-                sampling_params=sampling_params)
+                sampling_params=sampling_params, aborts=aborts)
         results = []
         capacity = self._pool_tokens()
         for r, (tokens, logps, finish) in enumerate(zip(out.responses, out.log_probs, out.finish_reasons)):
-            reason = {"type": "stop" if finish == FINISH_STOP else "length"}
+            reason = aborts[r] or {"type": "stop" if finish == FINISH_STOP else "length"}
             if capacity is not None:  # a request the KV pool cannot hold is aborted where it stopped
                 tokens, abort = fit_to_pool(len(input_ids[r // sampling.n]), list(tokens), capacity)
                 if abort is not None:
@@ -331,5 +351,7 @@ class Engine:
         for workers in getattr(self, "workers", {}).values():
             stop(workers)
         shutdown(self.schedulers)
+        if getattr(self, "_worker", None) is not None:
+            self._worker.shutdown()
         if getattr(self, "_loop", None) is not None:
             self._loop.close()
