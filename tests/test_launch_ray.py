@@ -219,6 +219,8 @@ SEPARATE = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=2"]
     (RESTART, "=1: only a separate pool's ranks are restarted"),
     (RESTART + SEPARATE + ["trainer.off_policy_steps=1", "trainer.partial_rollout=true"],
      "=1: not with trainer.partial_rollout"),
+    (RESTART + SEPARATE + ["trainer.off_policy_steps=1", "data.gen_batch_size=12"],
+     "=1: not with streaming groups yet"),
     (RESTART + SEPARATE + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
      r"=1: a replacement rejoins single-rank engines only, not actor_rollout_ref\.rollout\."
      "tensor_model_parallel_size=2"),

@@ -24,6 +24,10 @@ def restart_refusal(cfg: TridentConfig, backend: str) -> Optional[str]:
     if t.partial_rollout:
         return ("not with trainer.partial_rollout yet (a sync is read ahead of the generation it pauses, "
                 "which a replacement could not rebuild); remove one of them")
+    d = cfg.data
+    if cfg.algorithm.filter_groups.enable or (d.gen_batch_size or d.train_batch_size) > d.train_batch_size:
+        return ("not with streaming groups yet (data.gen_batch_size > data.train_batch_size or "
+                "algorithm.filter_groups: a replacement's regenerated chunks are not tested); remove one of them")
     if r.tensor_model_parallel_size != 1:
         return (f"a replacement rejoins single-rank engines only, not actor_rollout_ref.rollout."
                 f"tensor_model_parallel_size={r.tensor_model_parallel_size} (its group's other ranks "
