@@ -1,4 +1,9 @@
 """Trident's RL engine: what a PPO step is (config, trainer, workers, algorithms, rollout, rewards).
 
-Tests: tests/test_e2e.py, tests/test_layering.py
+Importing it defers what Megatron imports and never uses (engine/lazy_imports.py).
+
+Tests: tests/test_e2e.py, tests/test_layering.py, tests/test_lazy_imports.py
 """
+from engine.lazy_imports import install as _install_lazy_imports
+
+_install_lazy_imports()

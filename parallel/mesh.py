@@ -173,8 +173,15 @@ def launch_store(timeout_s: float = 600.0):
     return _LAUNCH_STORE[0]
 
 
+# Joining the world waits for the slowest rank's start (imports, tokenizer, data: tens of seconds
+# on a loaded machine), so it gets at least this long; the collectives after it get the run's
+# collective timeout, however short (a hang is then found in seconds, not after the start's slack)
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+
 def init_distributed(timeout_s: float = 600.0, ranks: Optional[range] = None, name: str = "world"):
     """Initialise torch.distributed from torchrun's environment (or as a single process).
+    Joining waits up to max(`timeout_s`, RENDEZVOUS_TIMEOUT_S); every collective, `timeout_s`.
 
     `ranks`: only these of the launched ranks form the world (this rank must be one of them),
     meeting under `name` in the launch store (a separate rollout pool trains on some ranks and
@@ -200,7 +207,12 @@ def init_distributed(timeout_s: float = 600.0, ranks: Optional[range] = None, na
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    join = max(timeout_s, RENDEZVOUS_TIMEOUT_S)
+    dist.init_process_group(backend, timeout=timedelta(seconds=join))
+    if join > timeout_s:
+        # torch has no public setter; this one (torch >= 2.2) sets the default group's backends
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(timedelta(seconds=timeout_s))
 
 
 def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):

@@ -86,10 +86,21 @@ def _compare(a, b):
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+_FSDP2_ACTOR = []  # the default FSDP2 actor update at DP 2, read by two tests below
+
+
+def _fsdp2_update(role):
+    if role != "actor":
+        return run_on_ranks(_update, 2, "fsdp2", role)
+    if not _FSDP2_ACTOR:
+        _FSDP2_ACTOR.append(run_on_ranks(_update, 2, "fsdp2", "actor"))
+    return _FSDP2_ACTOR[0]
+
+
 @pytest.mark.parametrize("role", ["actor", "critic"])
 def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
     meg = run_on_ranks(_update, 2, "megatron", role)
-    fsdp = run_on_ranks(_update, 2, "fsdp2", role)
+    fsdp = _fsdp2_update(role)
     assert all(r["loaded_ok"] for r in fsdp)  # load_global wrote each rank's shard
     for m, f in zip(meg, fsdp):
         assert torch.allclose(m["first"], f["first"], atol=1e-6)  # forward before the update
@@ -107,7 +118,7 @@ def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
 def test_fsdp_config_keys_reach_torchs_units_and_keep_the_update():
     """reshard_after_forward=false / forward_prefetch=true (verl's fsdp_config): each layer keeps
     its gathered weights until backward and prefetches the next one (the last: none)."""
-    base = run_on_ranks(_update, 2, "fsdp2", "actor")
+    base = _fsdp2_update("actor")
     tuned = run_on_ranks(_update, 2, "fsdp2", "actor", 1, False, True)
     for b, t in zip(base, tuned):
         assert t["units"] == [(False, 1), (False, 1), (False, 1), (False, 0)]

@@ -11,7 +11,7 @@ new one is placed on purpose):
     config       engine.config (schema, load, validate, derive)
     workers / rollout
     models / algorithms / rewards / data / agents (and metrics, their shared vocabulary of names)
-    support      batch, errors, faults, phase, perf: small modules every layer uses
+    support      batch, errors, faults, phase, perf, lazy_imports: small modules every layer uses
     parallel / kernels
 
 An import inside a function counts as much as one at the top: a deferred upward import is still
@@ -31,7 +31,8 @@ LAYERS = [
     ("models / algorithms / rewards / data", ("engine.models", "engine.algorithms", "engine.rewards",
                                               "engine.data", "engine.tasks", "engine.metrics",
                                               "engine.agents")),
-    ("support", ("engine.batch", "engine.errors", "engine.faults", "engine.phase", "engine.perf")),
+    ("support", ("engine.batch", "engine.errors", "engine.faults", "engine.phase", "engine.perf",
+                 "engine.lazy_imports")),
     ("parallel / kernels", ("parallel", "kernels")),
 ]
 PACKAGES = ("engine", "tools", "parallel", "kernels")

@@ -81,3 +81,55 @@ def test_a_layout_leaves_no_process_groups_or_threads_behind():
     for (groups, threads), (groups_after, threads_after) in zip(first, again):
         assert groups == groups_after == 1  # the default group only
         assert threads_after <= threads + 2, (threads, threads_after)
+
+
+RENDEZVOUS_PROBE = r"""
+import os, sys, time
+from datetime import timedelta
+rank = int(os.environ["RANK"])
+if rank == 1:
+    time.sleep(3.0)  # joins 3 s late: past the 1 s collective timeout, within the rendezvous's
+import torch.distributed as dist
+from parallel.mesh import init_distributed
+start = time.monotonic()
+init_distributed(timeout_s=1.0)
+joined = time.monotonic() - start
+if rank == 1:
+    time.sleep(20)  # never reaches the barrier
+    os._exit(0)
+start = time.monotonic()
+try:
+    dist.barrier()
+    print("barrier passed", flush=True)
+except Exception as e:
+    print(f"joined {joined:.2f} failed {time.monotonic() - start:.2f} {type(e).__name__}", flush=True)
+os._exit(0)
+"""
+
+
+def test_joining_waits_for_a_late_rank_and_a_collective_times_out_after_its_own_timeout(tmp_path):
+    """parallel.mesh.init_distributed: the late rank's join is waited for (past the 1 s collective
+    timeout), and then a collective a peer never enters fails after ~1 s, not the join's 300 s."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-c", RENDEZVOUS_PROBE], cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", RANK=str(r),
+                                       WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    try:
+        out = procs[0].communicate(timeout=30)[0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    line = [ln for ln in out.splitlines() if ln.startswith(("joined", "barrier"))]
+    assert line, out[-2000:]
+    _, joined, _, failed, _ = line[-1].split()
+    assert float(joined) > 1.5  # rank 0 waited for the late rank beyond the collective timeout
+    assert float(failed) < 10  # the barrier gave up at the collective timeout (1 s + slack)

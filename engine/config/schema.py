@@ -459,6 +459,7 @@ class TrainerConfig:
     max_nonfinite_skips: int = 3      # consecutive steps with NaN / Inf skipped before rolling back
     rollback_lr_factor: float = 0.5   # the LR after a rollback to the last good checkpoint
     collective_timeout_s: int = 600   # a collective waiting longer ends the job, naming rank and phase
+    # (joining the job at start waits max(this, parallel.mesh.RENDEZVOUS_TIMEOUT_S))
     # colocated: every rank trains and generates (hybrid engine); separate: the last
     # rollout_pool_ranks ranks only generate (engine/rollout/pool.py)
     rollout_pool: Literal["colocated", "separate"] = "colocated"
