@@ -113,16 +113,17 @@ def test_partial_rollout_is_refused_where_no_weights_arrive_mid_generation():
         load_config(DEMO, pool + on + ["actor_rollout_ref.actor.router_replay=true"])
 
 
-def test_partial_rollout_takes_sglang(monkeypatch):
+def test_partial_rollout_takes_sglang():
     """SGLang pauses and continues (engine/rollout/sglang_partial.py), vLLM not yet; the doubles
-    stand in for the GPU."""
-    from tests.test_sglang_double import FAKES
-    monkeypatch.syspath_prepend(FAKES)
+    stand in for the GPU (and leave sys.modules after: a later test asking whether vLLM is
+    installed must not find the double)."""
+    from tests.doubles import double_on_path
     pool = ["trainer.n_gpus_per_node=4", "trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=2",
             "trainer.off_policy_steps=1", "trainer.partial_rollout=true", "actor_rollout_ref.rollout.name=sglang"]
-    assert load_config(DEMO, pool).trainer.partial_rollout
-    tp2 = load_config(DEMO, pool + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
-    assert tp2.trainer.partial_rollout  # the engine's leader alone drives it
-    with pytest.raises(ConfigError, match=r"trainer.partial_rollout.*rollout.name='vllm'"):
-        load_config(DEMO, pool + ["actor_rollout_ref.rollout.name=vllm"])
+    with double_on_path("sglang"), double_on_path("vllm"):
+        assert load_config(DEMO, pool).trainer.partial_rollout
+        tp2 = load_config(DEMO, pool + ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+        assert tp2.trainer.partial_rollout  # the engine's leader alone drives it
+        with pytest.raises(ConfigError, match=r"trainer.partial_rollout.*rollout.name='vllm'"):
+            load_config(DEMO, pool + ["actor_rollout_ref.rollout.name=vllm"])
 
