@@ -16,6 +16,19 @@ from engine.experience.base import Source
 from engine.experience.staleness import refuse_stale, staleness_metrics
 
 
+def send_weights_once(source, ctx):
+    """The pool gets the current weights, once per update (the update_weights phase); `source`
+    (a pool source: Pool, engine/experience/streaming.py's Streaming) keeps its `client` and the
+    step last `sent`. Returns the bytes sent."""
+    if source.sent == ctx.step:
+        return 0
+    chunks, hf_config, bucket_megabytes, plan = ctx.weights()
+    with ctx.phase("update_weights"):
+        sent = source.client.send_weights(chunks, hf_config, bucket_megabytes, plan=plan, version=ctx.step)
+    source.sent = ctx.step
+    return sent
+
+
 class Pool(Source):
     separate = True
 
@@ -42,14 +55,7 @@ class Pool(Source):
         return self.pending[0][1] if self.pending else ctx.loader.state_dict()
 
     def sync(self, ctx):
-        """The pool gets the current weights, once per update (the update_weights phase)."""
-        if self.sent == ctx.step:
-            return 0
-        chunks, hf_config, bucket_megabytes, plan = ctx.weights()
-        with ctx.phase("update_weights"):
-            sent = self.client.send_weights(chunks, hf_config, bucket_megabytes, plan=plan, version=ctx.step)
-        self.sent = ctx.step
-        return sent
+        return send_weights_once(self, ctx)
 
     def collect(self, ctx, prompts):
         step, last = ctx.step + 1, ctx.total_steps

@@ -38,6 +38,7 @@ from megatron.core import parallel_state as ps
 
 from engine.batch import Batch
 from engine.experience.base import Source
+from engine.experience.pool import send_weights_once
 from engine.experience.dynamic_sampling import DynamicSampling, informative_groups, reshard, reshard_plan
 from engine.experience.staleness import refuse_stale, staleness_metrics, versions_behind
 
@@ -107,14 +108,7 @@ class Streaming(Source):
 
     # -- the pool --------------------------------------------------------------------------
     def sync(self, ctx):
-        """The pool gets the current weights, once per update."""
-        if self.sent == ctx.step:
-            return 0
-        chunks, hf_config, bucket_megabytes, plan = ctx.weights()
-        with ctx.phase("update_weights"):
-            sent = self.client.send_weights(chunks, hf_config, bucket_megabytes, plan=plan, version=ctx.step)
-        self.sent = ctx.step
-        return sent
+        return send_weights_once(self, ctx)
 
     def request(self, ctx, count):
         """Ask the pool for `count` more groups (a multiple of DP; collective decision: every rank
