@@ -7,7 +7,7 @@
     python tools/benchmark.py pool --seeds 1 2 3 --off-policy-steps 0 2 --steps 30
     # the held-out score per seed and k (validated after the last step), mean and spread
     python tools/benchmark.py pool --seeds 1 2 3 --off-policy-steps 0 2 --steps 80 \
-        algorithm.rollout_correction.rollout_is=token   # key=value words: the k >= 1 runs only
+        algorithm.rollout_correction.rollout_is=token   # key=value words: every run
 
 --partial-rollout: the runs at k >= 1 pause their generations for new weights and go on from the
 tokens they have (trainer.partial_rollout), so a long response is not held to old weights.
@@ -77,8 +77,7 @@ def add_arguments(p):
     p.add_argument("--seeds", type=_whole("a seed, e.g. 1"), nargs="+", default=None,
                    help="held-out score per seed and k, mean and spread (one run per pair)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="recipe overrides for the runs at k >= 1 (e.g. a rollout correction); "
-                        "the k = 0 runs are the demo as it is")
+                   help="recipe overrides for every run (e.g. a rollout correction, the lr)")
     p.add_argument("--oversample", type=positive(float, "the generation batch over the train batch, e.g. 1.5"),
                    default=1.0, help="data.gen_batch_size = this x train_batch_size at k >= 1")
 
@@ -109,8 +108,7 @@ def _run_one(args, k, tmp, seed=None):
     if seed is not None:
         cmd += [f"trainer.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}",
                 f"actor_rollout_ref.actor.megatron.seed={seed}"]
-    if k >= 1:
-        cmd += list(getattr(args, "overrides", None) or [])
+    cmd += list(getattr(args, "overrides", None) or [])
     gen = gen_batch_size(args.oversample, _train_batch_size(), args.train_ranks) if k >= 1 else None
     if gen is not None and gen > _train_batch_size():
         cmd.append(f"data.gen_batch_size={gen}")
