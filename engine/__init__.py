@@ -4,6 +4,6 @@ Importing it defers what Megatron imports and never uses (engine/lazy_imports.py
 
 Tests: tests/test_e2e.py, tests/test_layering.py, tests/test_lazy_imports.py
 """
-from engine.lazy_imports import install as _install_lazy_imports
+from engine import lazy_imports
 
-_install_lazy_imports()
+lazy_imports.install()

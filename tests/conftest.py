@@ -47,6 +47,6 @@ def sglang_colocated_run(tmp_path_factory):
     double in tests/fakes, its log in root/colocated.sglang), 3 steps, HF export: the run a
     separate pool must match (test_rollout_pool) and the one whose engine must start under
     torchrun (test_sglang_double). Returns (root, metrics records)."""
-    from tests.test_rollout_pool import SGLANG_TP2, _run
+    from tests.test_rollout_pool import SGLANG_TP2, pool_run
     root = tmp_path_factory.mktemp("sglang_colocated")
-    return root, _run(root, "colocated", 2, SGLANG_TP2, sglang=True)
+    return root, pool_run(root, "colocated", 2, SGLANG_TP2, sglang=True)

@@ -140,11 +140,14 @@ def test_packed_rope_equals_megatrons_per_micro_batch():
     for cu in packings:
         for freqs in tables:  # the same cu_seqlens with another table: not the cached one
             for dtype, mscale in ((torch.float32, 1.0), (torch.float64, 1.3)):
+                worked_out = []  # the cos / sin pair each call used: k's must be q's (worked out once)
                 for heads in (4, 2):  # q then k: the second call reads the cached cos / sin
                     t = torch.randn(int(cu[-1]), heads, 8, generator=gen, dtype=dtype, requires_grad=True)
                     got = rope_utils._apply_rotary_pos_emb_thd(t, cu, freqs, mscale=mscale)
+                    worked_out.append(cu._trident_rope[2])
                     want = expected(t, cu, freqs, mscale)
                     assert torch.equal(got, want)
                     w = torch.randn(got.shape, generator=gen, dtype=dtype)
                     assert torch.equal(torch.autograd.grad((got * w).sum(), t)[0],
                                        torch.autograd.grad((want * w).sum(), t)[0])
+                assert worked_out[0] is worked_out[1]

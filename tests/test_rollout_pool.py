@@ -20,7 +20,7 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy
 FAKES = os.path.join(ROOT, "tests", "fakes")
 
 
-def _run(tmp_path, name, nproc, extra, steps=3, sglang=False):
+def pool_run(tmp_path, name, nproc, extra, steps=3, sglang=False):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     if sglang:
         extra = [*extra, "actor_rollout_ref.rollout.name=sglang"]
@@ -36,7 +36,7 @@ def _run(tmp_path, name, nproc, extra, steps=3, sglang=False):
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _weights(tmp_path, name, step):
+def pool_weights(tmp_path, name, step):
     from safetensors.torch import load_file
     out = {}
     for f in sorted((tmp_path / "ckpt" / name / "hf" / f"step_{step}").glob("*.safetensors")):
@@ -66,7 +66,7 @@ def colocated_and_pool(tmp_path_factory):
     val = ["trainer.test_freq=3", "trainer.val_before_train=true", f"{v}.n=3", f"{v}.do_sample=true",
            f"{v}.temperature=1.0",
            f"custom_reward_function.path={tmp}/reward.py", "data.val_batch_size=null"]
-    return tmp, _run(tmp, "colocated", 2, val), _run(tmp, "pool", 4, POOL + val)
+    return tmp, pool_run(tmp, "colocated", 2, val), pool_run(tmp, "pool", 4, POOL + val)
 
 
 def test_separate_pool_trains_like_colocated(colocated_and_pool):
@@ -78,7 +78,7 @@ def test_separate_pool_trains_like_colocated(colocated_and_pool):
             assert a[key] == b[key], (a["step"], key)
         assert b["rollout/staleness"] == b["rollout/staleness/max"] == b["rollout/stale_samples"] == 0
         assert b["rollout/staleness/hist/0"] == 1.0 and "rollout/staleness/hist/1" not in b
-    a, b = _weights(tmp, "colocated", 3), _weights(tmp, "pool", 3)
+    a, b = pool_weights(tmp, "colocated", 3), pool_weights(tmp, "pool", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -98,7 +98,7 @@ def _check_staleness(records, k, steps):
 
 def _off_policy(tmp_path, k, nproc, steps):
     pool = ["trainer.rollout_pool=separate", f"trainer.rollout_pool_ranks={nproc // 2}"]
-    records = _run(tmp_path, f"offpolicy{k}", nproc, pool + [f"trainer.off_policy_steps={k}"], steps=steps)
+    records = pool_run(tmp_path, f"offpolicy{k}", nproc, pool + [f"trainer.off_policy_steps={k}"], steps=steps)
     _check_staleness(records, k, steps)
 
 
@@ -142,12 +142,12 @@ def test_sglang_pool_gets_weights_over_the_update_group(tmp_path, sglang_colocat
     hand-off (tests/conftest.py's sglang_colocated_run: the same settings, colocated), with the
     group set up once and no tensor crossing the bridge."""
     root, colocated = sglang_colocated_run
-    pool = _run(tmp_path, "pool", 4, POOL + SGLANG_TP2, sglang=True)
+    pool = pool_run(tmp_path, "pool", 4, POOL + SGLANG_TP2, sglang=True)
     assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2, 3]
     for a, b in zip(colocated, pool):
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
-    a, b = _weights(root, "colocated", 3), _weights(tmp_path, "pool", 3)
+    a, b = pool_weights(root, "colocated", 3), pool_weights(tmp_path, "pool", 3)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     records = [e for e in _records(tmp_path, "pool") if e["kind"] != "memory"]  # the device budget's
@@ -173,7 +173,7 @@ def test_sglang_pool_gets_weights_over_the_update_group(tmp_path, sglang_colocat
 def test_one_training_rank_feeds_two_engines_with_one_broadcast(tmp_path):
     """1 training + 2 pool ranks of TP 1: both engines join training rank 0's group (offsets 1
     and 2 of 3) and receive the same weights at every sync."""
-    _run(tmp_path, "fanout", 3, POOL, steps=2, sglang=True)
+    pool_run(tmp_path, "fanout", 3, POOL, steps=2, sglang=True)
     records = _records(tmp_path, "fanout")
     joins = sorted((e["rank"], e["rank_offset"], e["world_size"], e["group_name"])
                    for e in records if e["kind"] == "init_weights_update_group")
@@ -227,7 +227,7 @@ def test_partial_rollouts_through_the_pool(tmp_path):
     pool = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=2",
             "trainer.partial_rollout=true", "data.max_response_length=48",
             "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.max_num_seqs=1"]
-    records = _run(tmp_path, "partial", 2, pool, steps=4)
+    records = pool_run(tmp_path, "partial", 2, pool, steps=4)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["rollout/stale_samples"] == 0 and r["rollout/staleness/max"] <= min(r["step"] - 1, 2)
@@ -248,7 +248,7 @@ def test_partial_rollouts_through_the_pool_on_sglang(tmp_path, tp):
             "trainer.partial_rollout=true", "data.max_response_length=48",
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
             "actor_rollout_ref.rollout.ignore_eos=true", "actor_rollout_ref.rollout.max_num_seqs=1"]
-    records = _run(tmp_path, "partial", 1 + tp, pool, steps=4, sglang=True)
+    records = pool_run(tmp_path, "partial", 1 + tp, pool, steps=4, sglang=True)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert r["rollout/stale_samples"] == 0 and r["rollout/staleness/max"] <= min(r["step"] - 1, 2)

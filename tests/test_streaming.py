@@ -10,7 +10,7 @@ import pytest
 from engine.config import ConfigError, load_config
 from engine.experience.streaming import top_up, window
 from engine.rollout.streaming import chunks, expected
-from tests.test_rollout_pool import COMPARED, _run, _weights
+from tests.test_rollout_pool import COMPARED, pool_run, pool_weights
 from tests.test_e2e import ROOT
 
 DEMO = f"{ROOT}/recipes/tiny_cpu_demo.yaml"
@@ -80,7 +80,7 @@ def test_streaming_over_sampling_with_dapo_filter_and_replay(tmp_path):
              "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
              "algorithm.replay.enable=true", "algorithm.replay.ratio=0.5",
              f"custom_reward_function.path={tmp_path}/reward.py", "trainer.save_hf=false"]
-    records = _run(tmp_path, "stream", 3, extra, steps=3)
+    records = pool_run(tmp_path, "stream", 3, extra, steps=3)
     assert [r["step"] for r in records] == [1, 2, 3]
     carried = 0.0
     for r in records:
@@ -114,15 +114,15 @@ def test_lora_actor_on_the_pool_trains_like_the_colocated_one(tmp_path):
     1 + 1 rank pool run gives the 1-rank colocated run's steps and weights bit for bit."""
     lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
             "actor_rollout_ref.actor.optim.lr=0.05"]
-    colocated = _run(tmp_path, "colocated", 1, lora, steps=2)
-    pool = _run(tmp_path, "pool", 2, lora + ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1"],
+    colocated = pool_run(tmp_path, "colocated", 1, lora, steps=2)
+    pool = pool_run(tmp_path, "pool", 2, lora + ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1"],
                 steps=2)
     assert [r["step"] for r in colocated] == [r["step"] for r in pool] == [1, 2]
     assert all(r["actor/ppo_kl"] != 0 for r in pool)  # the 2nd mini-batch sees the adapters moved
     for a, b in zip(colocated, pool):
         for key in COMPARED:
             assert a[key] == b[key], (a["step"], key)
-    a, b = _weights(tmp_path, "colocated", 2), _weights(tmp_path, "pool", 2)
+    a, b = pool_weights(tmp_path, "colocated", 2), pool_weights(tmp_path, "pool", 2)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
@@ -138,7 +138,7 @@ def test_over_sampled_groups_past_k_versions_are_dropped_and_counted(tmp_path):
     extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
              "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false",
              "trainer.test_freq=2"]  # validated after step 2, 12 groups in flight: taken first, then kept
-    records = _run(tmp_path, "stale", 2, extra, steps=4)
+    records = pool_run(tmp_path, "stale", 2, extra, steps=4)
     assert ["val/score/mean" in r for r in records] == [False, True, False, True]
     got = [(r["rollout/groups_requested"], r["rollout/groups_dropped_stale"], r["rollout/groups_carried"],
             r["rollout/staleness/max"], r["rollout/stale_samples"]) for r in records]
@@ -163,7 +163,7 @@ def test_replay_around_the_whole_batch_pool(tmp_path):
     replays step 1's groups, validation goes through the wrapper to the pool, the pool stops."""
     extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "algorithm.replay.enable=true",
              "algorithm.replay.ratio=0.5", "trainer.test_freq=2", "trainer.save_hf=false"]
-    records = _run(tmp_path, "replay", 2, extra, steps=2)
+    records = pool_run(tmp_path, "replay", 2, extra, steps=2)
     assert [r["replay/replayed_samples"] for r in records] == [0, 4 * 4]  # round(0.5 x 8) groups x n
     assert "val/score/mean" in records[1] and "rollout/groups_taken" not in records[1]
 
@@ -176,7 +176,7 @@ def test_a_streaming_run_resumes_from_its_checkpoint(tmp_path):
     extra = ["trainer.rollout_pool=separate", "trainer.rollout_pool_ranks=1", "trainer.off_policy_steps=1",
              "data.gen_batch_size=12", "actor_rollout_ref.rollout.max_num_seqs=8", "trainer.save_hf=false",
              "trainer.resume_mode=auto", "trainer.save_freq=2"]
-    first = _run(tmp_path, "resumed", 2, extra, steps=2)
-    records = _run(tmp_path, "resumed", 2, extra, steps=4)
+    first = pool_run(tmp_path, "resumed", 2, extra, steps=2)
+    records = pool_run(tmp_path, "resumed", 2, extra, steps=4)
     assert [r["step"] for r in first] == [1, 2] and [r["step"] for r in records][-2:] == [3, 4]
     assert all(r["rollout/groups_taken"] == 8 and r["rollout/samples_taken"] == 32 for r in records)

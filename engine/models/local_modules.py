@@ -132,6 +132,16 @@ def _rotated(t, cos, sin):
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)
 
 
+def _positions(t, cu_seqlens, freqs):
+    """Each packed token's position inside its sequence (the frequency table's row)."""
+    total = t.shape[0]
+    if freqs.size(0) == int(cu_seqlens[-1]):
+        return torch.arange(total, device=t.device)  # table already per packed token
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+    return torch.arange(total, device=t.device) - starts.to(t.device)
+
+
 def _packed_cos_sin(t, cu_seqlens, freqs, mscale):
     """cos / sin of each packed token's frequencies, worked out once per micro-batch: every
     layer, and both q and k, read the same `freqs` table at the same positions (Megatron
@@ -141,14 +151,7 @@ def _packed_cos_sin(t, cu_seqlens, freqs, mscale):
     cached = getattr(cu_seqlens, "_trident_rope", None)
     if cached is not None and cached[0] is freqs and cached[1] == key:
         return cached[2]
-    total = t.shape[0]
-    if freqs.size(0) == int(cu_seqlens[-1]):
-        positions = torch.arange(total, device=t.device)  # table already per packed token
-    else:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-        positions = torch.arange(total, device=t.device) - starts.to(t.device)
-    table = freqs[positions]
+    table = freqs[_positions(t, cu_seqlens, freqs)]
     pair = ((torch.cos(table) * mscale).to(t.dtype), (torch.sin(table) * mscale).to(t.dtype))
     cu_seqlens._trident_rope = (freqs, key, pair)
     return pair
@@ -177,15 +180,8 @@ def install_fast_thd_rope():
         if not rotary_interleaved and not multi_latent_attention:
             cos, sin = _packed_cos_sin(t, cu_seqlens, freqs, mscale)
             return _rotated(t.unsqueeze(1), cos, sin).squeeze(1)
-        total = t.shape[0]
-        if freqs.size(0) == int(cu_seqlens[-1]):
-            positions = torch.arange(total, device=t.device)
-        else:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-            positions = torch.arange(total, device=t.device) - starts.to(t.device)
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            t.unsqueeze(1), freqs[_positions(t, cu_seqlens, freqs)], rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
 
     fast.__wrapped__ = original
