@@ -12,6 +12,13 @@ rank and every test worker.
   call: they see those packages as absent while they import. Our loggers (engine/metrics.py)
   import them themselves when the recipe names them.
 
+- The collector: the imports and the built run create ~0.5M objects that live as long as the
+  process; at Python's default young-generation threshold (700 allocations) the collector runs
+  ~1000 times over them while they are made, 10-20 % of a rank's start-up CPU. `install()` raises
+  that threshold (YOUNG_THRESHOLD, measured: a 3-step 2-rank demo run 13.4 -> 12.6 s wall); the
+  steps' own garbage is collected by `return_to_device`'s explicit collections, and
+  `parallel.device_memory.freeze_long_lived` takes the built run out of the collector's reach.
+
 `install()` runs when the `engine` package is imported (engine/__init__.py), before any Megatron
 import of ours; tests/__init__.py imports `engine` first for test modules that import Megatron
 before it (ruff sorts third-party imports first).
@@ -19,8 +26,11 @@ before it (ruff sorts third-party imports first).
 Tests: tests/test_lazy_imports.py
 """
 import functools
+import gc
 import importlib.abc
 import sys
+
+YOUNG_THRESHOLD = 20_000  # allocations between two young-generation collections (Python: 700)
 
 # module -> packages hidden from it while it executes
 _HIDDEN = {
@@ -100,5 +110,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install():
     """Idempotent; does nothing for modules already imported."""
+    young, middle, old = gc.get_threshold()
+    gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, old)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
