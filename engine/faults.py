@@ -24,7 +24,7 @@ import time
 
 ENV = "TRIDENT_FAULTS"
 _fired = set()
-_where = {"step": 0}  # the trainer keeps the current step here
+current = {"step": 0}  # the trainer keeps the current step here
 _passes = {}  # step -> how many times it has started (a rollback re-runs steps)
 
 
@@ -41,11 +41,11 @@ def reset():
     """Forget which faults fired and which steps ran (a process that runs several trainers)."""
     _fired.clear()
     _passes.clear()
-    _where["step"] = 0
+    current["step"] = 0
 
 
 def set_step(step):
-    _where["step"] = step
+    current["step"] = step
     _passes[step] = _passes.get(step, 0) + 1
 
 
@@ -53,7 +53,7 @@ def fault(kind, **where):
     """The fault of `kind` planned for this place, or None (cheap when none is planned)."""
     if ENV not in os.environ:
         return None
-    here = dict(_where, rank=int(os.environ.get("RANK", "0")), **where)
+    here = dict(current, rank=int(os.environ.get("RANK", "0")), **where)
     for i, f in enumerate(_faults()):
         if f["kind"] != kind:
             continue
@@ -61,7 +61,7 @@ def fault(kind, **where):
         if f.get("every") and "step" in keys:
             keys.remove("step")
         if all(here.get(k) == f[k] for k in keys):
-            if f.get("once") and _passes.get(_where["step"], 1) > 1:
+            if f.get("once") and _passes.get(current["step"], 1) > 1:
                 continue  # transient: a re-run of the step passes
             if kind == "oom":
                 tag = (i, tuple(sorted(here.items())))

@@ -35,9 +35,9 @@ def grpo_run(tmp_path_factory):
     optimizer), read by every test that needs that run as it is: test_e2e's estimator test (its
     grpo case) and killed-run resume test (the uninterrupted run), test_launch_ray (the torchrun
     side). Returns (root, console output, metrics records); the run is root/{ckpt,logs}/grpo."""
-    from tests.test_e2e import GRPO_RUN, GRPO_STEPS, _run
+    from tests.test_e2e import GRPO_RUN, GRPO_STEPS, run_demo
     root = tmp_path_factory.mktemp("grpo_run")
-    out, records = _run(root, "grpo", GRPO_RUN, steps=GRPO_STEPS)
+    out, records = run_demo(root, "grpo", GRPO_RUN, steps=GRPO_STEPS)
     return root, out, records
 
 

@@ -142,31 +142,31 @@ class _Pool:
         return found
 
 
-_POOLS = {}
+POOLS = {}
 
 
 def run_on_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, **kwargs):
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of results."""
-    pool = _POOLS.get(world_size)
+    pool = POOLS.get(world_size)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close(graceful=False)
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = POOLS[world_size] = _Pool(world_size)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except TimeoutError:
         pool.close(graceful=False)  # a rank may be stuck in a collective: start afresh next time
-        _POOLS.pop(world_size, None)
+        POOLS.pop(world_size, None)
         raise
     except RuntimeError:
         # ranks finished (with an error) but collectives may now be out of step: restart them
         pool.close(graceful=False)
-        _POOLS.pop(world_size, None)
+        POOLS.pop(world_size, None)
         raise
 
 
 @atexit.register
 def _close_all():
-    for pool in _POOLS.values():
+    for pool in POOLS.values():
         pool.close()
-    _POOLS.clear()
+    POOLS.clear()

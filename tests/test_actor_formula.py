@@ -18,7 +18,7 @@ import torch
 
 from tests.multirank import run_on_ranks
 from tests.test_hf_parity import save_random_model
-from tests.test_ppo_update import _batch
+from tests.test_ppo_update import make_batch
 from tests.tiny_models import tiny_config
 
 KNOBS = dict(clip_ratio=0.2, clip_ratio_low=0.12, clip_ratio_high=0.31, clip_ratio_c=2.5,
@@ -44,7 +44,7 @@ def _update(model_dir, loss_agg_mode):
                          response_length=6)
     load_hf_weights(worker.chunks, model_dir)
     worker.optimizer.reload_model_params()
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     current = worker.compute_log_prob(batch, micro_batch_size=4)
     # old log-probs off by up to ~+-1 (ratios inside and outside both clip bounds and the dual
     # clip); the reference 0.5 * noise away

@@ -18,32 +18,32 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
-from tests.test_ppo_update import B, R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_ppo_update import B, R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _actor(hf=None, weight_salt="", strategy="megatron", dtype="float32"):
+def make_actor(hf=None, weight_salt="", strategy="megatron", dtype="float32"):
     """An actor with a cosine LR schedule over 4 steps, weights generated from their names."""
     from engine.workers.actor import ActorWorker
     from parallel.shards import load_global, local_shards
 
-    actor_cfg, _, model_cfg = _configs()
+    actor_cfg, _, model_cfg = make_configs()
     actor_cfg = dataclasses.replace(
         actor_cfg, optim=dataclasses.replace(actor_cfg.optim, lr_decay_style="cosine"), strategy=strategy,
         megatron=dataclasses.replace(actor_cfg.megatron, params_dtype=dtype))
     worker = ActorWorker(hf or tiny_config("llama"), actor_cfg, model_cfg, total_steps=4,
                          response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n + weight_salt, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n + weight_salt, shapes[n]))
     return worker
 
 
-def _ppo_step(worker, seed):
+def ppo_step(worker, seed):
     from megatron.core import parallel_state as ps
-    batch = _batch(worker.hf_config.vocab_size, seed=seed)
+    batch = make_batch(worker.hf_config.vocab_size, seed=seed)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
     worker.mini_batch_size_per_rank = len(mine)
@@ -53,7 +53,7 @@ def _ppo_step(worker, seed):
     return worker.update_policy(mine)
 
 
-def _weights(worker):
+def actor_weights(worker):
     from parallel.shards import iter_global
     return {n: t.clone() for n, t in iter_global(worker.chunks, "param")}
 
@@ -68,29 +68,29 @@ def _resume_run(layout_kwargs, root):
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(**layout_kwargs), seed=1)
-    original = _actor()
-    _ppo_step(original, seed=3)
+    original = make_actor()
+    ppo_step(original, seed=3)
     kl = AdaptiveKLController(0.1, target_kl=0.05, horizon=100)
     kl.update(0.2, 8)
     trainer_state = dict(global_steps=1, data=dict(epoch=0, consumed=8), kl_ctrl=kl.state_dict())
     manager = CheckpointManager(root)
     path = manager.save(1, {"actor": original}, trainer_state)
     draws_after_save = _draws()
-    at_save = _weights(original)
+    at_save = actor_weights(original)
     lr_at_save = original.optimizer.param_groups[0]["lr"]
-    _ppo_step(original, seed=4)
+    ppo_step(original, seed=4)
 
-    restored = _actor(weight_salt="-other")
-    differed = any(not torch.equal(t, at_save[n]) for n, t in _weights(restored).items())
+    restored = make_actor(weight_salt="-other")
+    differed = any(not torch.equal(t, at_save[n]) for n, t in actor_weights(restored).items())
     _draws()  # move every generator away from the saved states
     resumed_state = manager.load(manager.resolve("auto"), {"actor": restored})  # verified
     draws_after_load = _draws()
-    loaded = _weights(restored)
+    loaded = actor_weights(restored)
     lr_loaded = restored.optimizer.param_groups[0]["lr"]
-    _ppo_step(restored, seed=4)
+    ppo_step(restored, seed=4)
     return dict(path=path, latest=manager.latest(), differed=differed, at_save=at_save,
                 loaded=loaded, lr=(lr_at_save, lr_loaded), draws=(draws_after_save, draws_after_load),
-                continued=_weights(original), resumed=_weights(restored),
+                continued=actor_weights(original), resumed=actor_weights(restored),
                 trainer_state=(trainer_state, resumed_state))
 
 
@@ -126,26 +126,26 @@ def _reshard_run(root):
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(tp=2), seed=1)
-    saved_from = _actor()
-    _ppo_step(saved_from, seed=3)
+    saved_from = make_actor()
+    ppo_step(saved_from, seed=3)
     manager = CheckpointManager(root)
     manager.save(1, {"actor": saved_from}, {"global_steps": 1})
-    saved = _weights(saved_from)
+    saved = actor_weights(saved_from)
 
     init_mesh(Layout(), seed=1)  # TP=1: both ranks are data-parallel replicas
-    at_tp1 = _actor(weight_salt="-other")
+    at_tp1 = make_actor(weight_salt="-other")
     out = dict(errors={})
     try:
         manager.load(manager.latest(), {"actor": at_tp1})
     except CheckpointError as e:
         out["errors"]["optimizer"] = str(e)
     manager.load(manager.latest(), {"actor": at_tp1}, load_optimizer=False)
-    out.update(saved=saved, loaded=_weights(at_tp1))
+    out.update(saved=saved, loaded=actor_weights(at_tp1))
     for label, hf in (("smaller", tiny_config("llama", intermediate_size=48)),
                       ("fewer_layers", tiny_config("llama", num_hidden_layers=2)),
                       ("tied", tiny_config("llama", tie_word_embeddings=True))):
         try:
-            manager.load(manager.latest(), {"actor": _actor(hf)}, load_optimizer=False)
+            manager.load(manager.latest(), {"actor": make_actor(hf)}, load_optimizer=False)
         except CheckpointError as e:
             out["errors"][label] = str(e)
     return out
@@ -174,8 +174,8 @@ def _save_and_fail(root):
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(), seed=1)
-    worker = _actor()
-    _ppo_step(worker, seed=3)
+    worker = make_actor()
+    ppo_step(worker, seed=3)
     manager = module.CheckpointManager(root)
     manager.save(1, {"actor": worker}, {"global_steps": 1})
     real = module.rng_state
@@ -320,7 +320,7 @@ def _optimizer_state_after_two_updates(dist_opt, tmp):
 
     init_mesh(Layout(), seed=1)
     hf = tiny_config("llama")
-    actor_cfg, _, model_cfg = _configs()
+    actor_cfg, _, model_cfg = make_configs()
     actor_cfg = dataclasses.replace(actor_cfg, megatron=dataclasses.replace(
         actor_cfg.megatron, use_distributed_optimizer=dist_opt))
 
@@ -330,7 +330,7 @@ def _optimizer_state_after_two_updates(dist_opt, tmp):
         return worker
 
     trained = make()
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     old = trained.compute_log_prob(batch, micro_batch_size=4)
     batch["old_log_probs"], batch["ref_log_prob"] = old, old
     trained.update_policy(batch)

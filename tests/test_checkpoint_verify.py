@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_checkpoint import _actor, _ppo_step, _weights
+from tests.test_checkpoint import actor_weights, make_actor, ppo_step
 
 
 class _Warnings(logging.Handler):
@@ -56,12 +56,12 @@ def _fallback_run(root):
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(), seed=1)
-    worker = _actor()
-    _ppo_step(worker, seed=3)
+    worker = make_actor()
+    ppo_step(worker, seed=3)
     manager = CheckpointManager(root)
     manager.save(1, {"actor": worker}, {"global_steps": 1, "rng": np.random.get_state()})
-    at_step_1 = _weights(worker)
-    _ppo_step(worker, seed=4)
+    at_step_1 = actor_weights(worker)
+    ppo_step(worker, seed=4)
     handler = _Warnings()
     logging.getLogger("engine.checkpoint.manager").addHandler(handler)
     out = {"resolved": {}, "warnings": {}, "direct": {}}
@@ -82,11 +82,11 @@ def _fallback_run(root):
                     manager.load(path, {"actor": worker})
                 except CheckpointError as e:
                     out["direct"][how] = (os.path.relpath(target, root), str(e))
-        fresh = _actor(weight_salt="-other")
+        fresh = make_actor(weight_salt="-other")
         state = manager.load(manager.resolve("auto"), {"actor": fresh})
     finally:
         logging.getLogger("engine.checkpoint.manager").removeHandler(handler)
-    out.update(at_step_1=at_step_1, loaded=_weights(fresh), state=state)
+    out.update(at_step_1=at_step_1, loaded=actor_weights(fresh), state=state)
     return out
 
 
@@ -118,8 +118,8 @@ def _non_finite_run(root, where):
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout(), seed=1)
-    worker = _actor()
-    _ppo_step(worker, seed=3)
+    worker = make_actor()
+    ppo_step(worker, seed=3)
     manager = CheckpointManager(root)
     manager.save(1, {"actor": worker}, {"global_steps": 1})
     if dist.get_rank() == 1:  # one rank only: every rank must refuse together

@@ -24,11 +24,11 @@ NOT_READERS = ("engine/config/schema.py", "engine/config/rollout_correction.py",
                "engine/config/schema_sources.py", "engine/config/validate_sources.py")
 
 
-def _leaves(cls=TridentConfig, prefix=""):
+def config_leaves(cls=TridentConfig, prefix=""):
     for name, tp in field_types(cls).items():
         key = f"{prefix}.{name}" if prefix else name
         if dataclasses.is_dataclass(tp):
-            yield from _leaves(tp, key)
+            yield from config_leaves(tp, key)
         else:
             yield key
 
@@ -49,7 +49,7 @@ def test_every_schema_leaf_is_read_or_refused():
     nowhere in the engine outside the schema), unless it is in REFUSED with a test."""
     sources = _sources()
     unread = []
-    for key in _leaves():
+    for key in config_leaves():
         if key in REFUSED:
             continue
         leaf = key.rsplit(".", 1)[-1]

@@ -167,8 +167,8 @@ def ambiguous_keys():
     at several paths, and every leaf whose name another section also has (enable, n, seed ...)."""
     from collections import Counter
 
-    from tests.test_config_keys import _leaves
-    leaves = list(_leaves())
+    from tests.test_config_keys import config_leaves
+    leaves = list(config_leaves())
     names = Counter(k.rsplit(".", 1)[1] for k in leaves)
     shared = shared_paths()
     return [k for k in leaves if k.rsplit(".", 1)[0] in shared or names[k.rsplit(".", 1)[1]] > 1]

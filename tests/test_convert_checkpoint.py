@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.models import hf_io, weights
 from tests.multirank import run_on_ranks
-from tests.test_hf_parity import _roundtrip, hf_logits, read_all, save_random_model
+from tests.test_hf_parity import hf_logits, read_all, roundtrip, save_random_model
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +183,7 @@ def test_smollm2_real_weights_roundtrip(tmp_path_factory):
     tokens = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     # 9 attention heads / 3 kv heads: TP must divide 3, so the 2-rank layout is PP=2 (which also
     # splits the tied embedding / output layer across the two stages).
-    results = run_on_ranks(_roundtrip, 2, hf_dir, str(work), dict(pp=2), tokens, timeout=600)
+    results = run_on_ranks(roundtrip, 2, hf_dir, str(work), dict(pp=2), tokens, timeout=600)
     logits = next(r for r in results if r is not None)
     expected = hf_logits(model, tokens)
     # fp32 through 30 layers; logits O(10): 1e-3 absolute

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
-from tests.test_ppo_update import B, R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_ppo_update import B, R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 CPS = (2, 4)
@@ -92,18 +92,18 @@ def _case(packed, fused, gspo, kl=None):
     hf = tiny_config("llama")
     gspo_kw = dict(policy_loss="gspo", clip_ratio_low=3e-4, clip_ratio_high=4e-4, use_kl_loss=False)
     kl_kw = dict(kl_loss_type=kl, kl_loss_coef=0.5) if kl else {}
-    actor_cfg, critic_cfg, model_cfg = _configs(**(gspo_kw if gspo else kl_kw))
+    actor_cfg, critic_cfg, model_cfg = make_configs(**(gspo_kw if gspo else kl_kw))
     model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed, use_fused_kernels=fused)
     actor = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     critic = CriticWorker(hf, critic_cfg, model_cfg, response_length=R)
     for w in (actor, critic):
         shapes = {s.global_name: s.global_shape for _, s in local_shards(w.chunks)}
-        load_global(w.chunks, lambda n: _weight_for(n, shapes[n]))
+        load_global(w.chunks, lambda n: weight_for(n, shapes[n]))
         w.chunks[0].eval()
     head = critic.models[0].value_head.weight
-    head.data.copy_(_weight_for("value_head", head.shape))
+    head.data.copy_(weight_for("value_head", head.shape))
 
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     mask = batch["response_mask"].float()
     reference = actor.compute_log_prob(batch, micro_batch_size=B)  # no CP, no CP padding
     batch["old_log_probs"] = reference + 0.3 * batch["noise"] * mask
@@ -113,7 +113,7 @@ def _case(packed, fused, gspo, kl=None):
         from engine.workers.actor import ReferenceWorker
         ref = ReferenceWorker(hf, actor_cfg.megatron, model_cfg)
         shapes = {s.global_name: s.global_shape for _, s in local_shards(ref.chunks)}
-        load_global(ref.chunks, lambda n: 1.1 * _weight_for(n, shapes[n]))
+        load_global(ref.chunks, lambda n: 1.1 * weight_for(n, shapes[n]))
         got = ref.forward_outputs(batch, micro_batch_size=3, with_hidden=True)
         batch["ref_log_prob"], batch["ref_hidden"] = got["log_prob"], got["hidden"]
         actor._ref_weight = got["output_weight"]
@@ -231,7 +231,7 @@ def test_cp_micro_batch_carries_the_ranks_positions_and_replayed_routing(packed)
     from engine.batch import Batch
     from engine.workers.base import make_micro_batch
 
-    batch = _batch(96)
+    batch = make_batch(96)
     g = torch.Generator().manual_seed(5)
     lengths = batch["attention_mask"].sum(-1).tolist()
     routing = [torch.randint(0, 8, (n - 1, 3, 2), generator=g) for n in lengths]  # 3 MoE layers

@@ -21,7 +21,7 @@ TINY = [
 ]
 
 
-def _launch(tmp_path, name, extra, steps):
+def launch_demo(tmp_path, name, extra, steps):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "engine.train", os.path.join(ROOT, "recipes/tiny_cpu_demo.yaml"), *TINY,
@@ -32,14 +32,14 @@ def _launch(tmp_path, name, extra, steps):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _run(tmp_path, name, extra=(), steps=3, timeout=300):
-    proc = _launch(tmp_path, name, extra, steps)
+def run_demo(tmp_path, name, extra=(), steps=3, timeout=300):
+    proc = launch_demo(tmp_path, name, extra, steps)
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
-    return out, _records(tmp_path, name)
+    return out, read_records(tmp_path, name)
 
 
-def _records(tmp_path, name):
+def read_records(tmp_path, name):
     path = tmp_path / "logs" / name / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -64,9 +64,9 @@ def test_each_estimator_runs_its_steps_with_its_metrics_and_validation(tmp_path,
         steps = GRPO_STEPS
     else:
         root, steps = tmp_path, 3
-        out, records = _run(tmp_path, estimator, [f"algorithm.adv_estimator={estimator}",
-                                                  "trainer.save_freq=-1", "trainer.test_freq=3",
-                                                  *extra], steps=steps)
+        out, records = run_demo(tmp_path, estimator, [f"algorithm.adv_estimator={estimator}",
+                                                      "trainer.save_freq=-1", "trainer.test_freq=3",
+                                                      *extra], steps=steps)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     last = records[-1]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
@@ -111,7 +111,7 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy
 def _kill_after_checkpoint(tmp_path, name, extra, steps, step):
     """Launch a run and SIGKILL it (launcher and every worker) as soon as the step-`step`
     checkpoint appears, i.e. during the next step."""
-    proc = _launch(tmp_path, name, extra, steps=steps)
+    proc = launch_demo(tmp_path, name, extra, steps=steps)
     ckpt = tmp_path / "ckpt" / name / f"global_step_{step}"
     assert _wait_for(ckpt.exists, 240, proc), f"the step-{step} checkpoint never appeared"
     # within ~20 ms; torchrun starts its workers in sessions of their own, so every
@@ -133,7 +133,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(tmp_path, grpo_run):
 
     _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
     assert not (tmp_path / "ckpt" / "killed" / "hf" / "step_4").exists()
-    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
+    out, resumed = run_demo(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
     assert "resumed from" in out and "at step 2" in out, out[-2000:]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # records after the checkpoint redone
     for a, b in zip(straight[2:], resumed[2:]):
@@ -157,7 +157,7 @@ def test_exact_kl_loss_and_reward_train(tmp_path):
     actor's loss) and the exact KL in the reward (kl_penalty=full: the reference pass runs
     first, the old-log-prob pass computes it) through torchrun: finite metrics, and a KL > 0
     once the actor has moved away from the reference (it starts as a copy of it)."""
-    _, records = _run(tmp_path, "full_kl", [
+    _, records = run_demo(tmp_path, "full_kl", [
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full",
         "actor_rollout_ref.actor.kl_loss_coef=0.1", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_penalty=full", "trainer.save_freq=-1", "trainer.test_freq=-1"], steps=2)
@@ -179,14 +179,14 @@ def test_kl_guard_state_resumes_exactly(tmp_path):
     kl_guard/kl_coef and actor/kl_coef at every step."""
     common = ["trainer.save_freq=2", "trainer.test_freq=-1", "algorithm.kl_guard.enable=true",
               "algorithm.kl_guard.kl_ceiling=1e-12"]
-    _, straight = _run(tmp_path, "straight", common, steps=4)
+    _, straight = run_demo(tmp_path, "straight", common, steps=4)
     coef = [0.001 * 1.2 ** k for k in range(5)]  # actor.kl_loss_coef 0.001, raised every step
     assert [r["kl_guard/action"] for r in straight] == [1, 1, 1, 1]
     assert [r["kl_guard/kl_coef"] for r in straight] == pytest.approx(coef[1:], rel=1e-12)
     assert [r["actor/kl_coef"] for r in straight] == pytest.approx(coef[:4], rel=1e-12)
 
     _kill_after_checkpoint(tmp_path, "killed", common, steps=4, step=2)
-    out, resumed = _run(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
+    out, resumed = run_demo(tmp_path, "killed", common + ["trainer.resume_mode=auto"], steps=4)
     assert "resumed from" in out and "at step 2" in out, out[-2000:]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):

@@ -210,7 +210,7 @@ def test_implicit_reward_reads_the_dpo_beta():
 
 
 def test_graded_arith_pairs_rank_the_answer_first():
-    from engine.data.preference import _ANSWER_RANGE, PreferenceDataset, arith_pairs
+    from engine.data.preference import ANSWER_RANGE, PreferenceDataset, arith_pairs
     from engine.tasks import build_tokenizer, make_rows
     truth = [r["reward_model"]["ground_truth"] for r in make_rows("arith", 2000, 1, 0, split="train")]
     pairs = arith_pairs(2000, 1, 0, "train", graded=True)
@@ -228,7 +228,7 @@ def test_graded_arith_pairs_rank_the_answer_first():
     # the plain pairs are what they were: a wrong number drawn uniformly from the level's range
     import random
     rng = random.Random("arith-pairs-0-train-1")
-    old = [str(rng.choice([v for v in _ANSWER_RANGE[0] if str(v) != a])) for a in truth[:50]]
+    old = [str(rng.choice([v for v in ANSWER_RANGE[0] if str(v) != a])) for a in truth[:50]]
     assert [p["rejected"] for p in arith_pairs(50, 1, 0, "train")] == old
     tok = build_tokenizer()
     data = PreferenceDataset([dict(prompt="1+1=", chosen="2", rejected="")], tok, 16, 4)

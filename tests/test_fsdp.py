@@ -15,8 +15,8 @@ import torch
 from engine.config import load_config
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
-from tests.test_ppo_update import B, R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_ppo_update import B, R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +36,8 @@ def _update(strategy, role, tp=1, reshard_after_forward=True, forward_prefetch=F
     init_mesh(Layout(tp=tp), seed=1)
     hf = tiny_config("llama")
     # distinct, asymmetric clips; several micro-batches accumulate into one step
-    actor_cfg, critic_cfg, model_cfg = _configs(clip_ratio_low=0.15, clip_ratio_high=0.3,
-                                                ppo_micro_batch_size_per_gpu=2)
+    actor_cfg, critic_cfg, model_cfg = make_configs(clip_ratio_low=0.15, clip_ratio_high=0.3,
+                                                    ppo_micro_batch_size_per_gpu=2)
     meg = dataclasses.replace(actor_cfg.megatron, reshard_after_forward=reshard_after_forward,
                               forward_prefetch=forward_prefetch)
     actor_cfg = dataclasses.replace(actor_cfg, strategy=strategy, megatron=meg)
@@ -47,11 +47,11 @@ def _update(strategy, role, tp=1, reshard_after_forward=True, forward_prefetch=F
     else:
         worker = CriticWorker(hf, critic_cfg, model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
     loaded = dict(iter_global(worker.chunks))  # what load_global stored, read back
     held = sum(local(p).numel() * local(p).element_size() for c in worker.chunks for p in c.parameters())
 
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
     worker.mini_batch_size_per_rank = len(mine)
@@ -65,7 +65,7 @@ def _update(strategy, role, tp=1, reshard_after_forward=True, forward_prefetch=F
         mine["values"] = first + mine["noise"] * mine["response_mask"]
         metrics = worker.update_critic(mine)
     return dict(rank=rank, first=first, metrics=metrics, held=held, units=_units(worker),
-                loaded_ok=all(torch.equal(t, _weight_for(n, t.shape)) for n, t in loaded.items()),
+                loaded_ok=all(torch.equal(t, weight_for(n, t.shape)) for n, t in loaded.items()),
                 weights=dict(iter_global(worker.chunks)))
 
 
@@ -107,7 +107,7 @@ def test_fsdp2_gives_megatrons_update_at_dp2_with_half_the_parameters(role):
         for key, value in m["metrics"].items():
             assert f["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         # the update moved the weights, and moved them the same way
-        start = {n: _weight_for(n, t.shape) for n, t in m["weights"].items()}
+        start = {n: weight_for(n, t.shape) for n, t in m["weights"].items()}
         assert _compare(m["weights"], start) > 1e-4
         assert _compare(m["weights"], f["weights"]) < 1e-5
         # DP 2: every parameter's rows split over the two ranks
@@ -130,23 +130,24 @@ def _resume(tmp, saved_with, loaded_with, load_optimizer=True, dtype="float32"):
     the same second step (tests/test_checkpoint.py's resume, across strategies)."""
     from engine.checkpoint import CheckpointManager
     from parallel.mesh import Layout, init_mesh
-    from tests.test_checkpoint import _actor, _ppo_step, _weights
+    from tests.test_checkpoint import actor_weights, make_actor, ppo_step
 
     init_mesh(Layout(), seed=1)
-    original = _actor(strategy=saved_with, dtype=dtype)
-    _ppo_step(original, seed=3)
+    original = make_actor(strategy=saved_with, dtype=dtype)
+    ppo_step(original, seed=3)
     manager = CheckpointManager(tmp)
     manager.save(1, {"actor": original}, dict(global_steps=1))
-    at_save = _weights(original)
-    _ppo_step(original, seed=4)
-    restored = _actor(weight_salt="-other", strategy=loaded_with, dtype=dtype)
+    at_save = actor_weights(original)
+    ppo_step(original, seed=4)
+    restored = make_actor(weight_salt="-other", strategy=loaded_with, dtype=dtype)
     try:
         manager.load(manager.resolve("auto"), {"actor": restored}, load_optimizer=load_optimizer)
     except Exception as e:  # noqa: BLE001 - the refusal's message is the result
         return dict(error=f"{type(e).__name__}: {e}")
-    loaded = _weights(restored)
-    _ppo_step(restored, seed=4)
-    return dict(at_save=at_save, loaded=loaded, continued=_weights(original), resumed=_weights(restored))
+    loaded = actor_weights(restored)
+    ppo_step(restored, seed=4)
+    return dict(at_save=at_save, loaded=loaded, continued=actor_weights(original),
+                resumed=actor_weights(restored))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: Megatron's fp32 main copies
@@ -173,11 +174,11 @@ def _critic(strategy, salt=""):
     from engine.workers.critic import CriticWorker
     from parallel.shards import load_global, local_shards
 
-    _, critic_cfg, model_cfg = _configs()
+    _, critic_cfg, model_cfg = make_configs()
     worker = CriticWorker(tiny_config("llama"), dataclasses.replace(critic_cfg, strategy=strategy),
                           model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n + salt, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n + salt, shapes[n]))
     return worker
 
 
@@ -188,11 +189,11 @@ def _critic_checkpoint(tmp):
 
     from engine.checkpoint import CheckpointManager
     from parallel.mesh import Layout, init_mesh
-    from tests.test_checkpoint import _weights
+    from tests.test_checkpoint import actor_weights
 
     init_mesh(Layout(), seed=1)
     saved = _critic("fsdp2")
-    batch = _batch(saved.hf_config.vocab_size)
+    batch = make_batch(saved.hf_config.vocab_size)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
     saved.mini_batch_size_per_rank = len(mine)
@@ -200,11 +201,11 @@ def _critic_checkpoint(tmp):
     saved.update_critic(mine)
     manager = CheckpointManager(tmp)
     manager.save(1, {"critic": saved}, dict(global_steps=1))
-    out = dict(at_save=_weights(saved))
+    out = dict(at_save=actor_weights(saved))
     for strategy, with_optimizer in (("fsdp2", True), ("megatron", False)):
         fresh = _critic(strategy, salt="-other")
         manager.load(manager.resolve("auto"), {"critic": fresh}, load_optimizer=with_optimizer)
-        out[strategy] = _weights(fresh)
+        out[strategy] = actor_weights(fresh)
     return out
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
-from tests.test_ppo_update import R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_ppo_update import R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 TEMPERATURE = 0.9
@@ -21,11 +21,11 @@ KL_COEF = 0.5  # large enough that the KL term's gradient is a clear share of th
 
 def _ref_weight_for(name, shape):
     """The reference: near the actor's weights, not equal to them."""
-    return _weight_for(name, shape) + 0.1 * _weight_for(name + "/ref", shape)
+    return weight_for(name, shape) + 0.1 * weight_for(name + "/ref", shape)
 
 
 def _cfgs(kind, fused, agg):
-    actor_cfg, _, model_cfg = _configs(kl_loss_type=kind, kl_loss_coef=KL_COEF, loss_agg_mode=agg)
+    actor_cfg, _, model_cfg = make_configs(kl_loss_type=kind, kl_loss_coef=KL_COEF, loss_agg_mode=agg)
     # no clipping: the gradients left in the buffers are the loss's own
     actor_cfg = dataclasses.replace(actor_cfg, optim=dataclasses.replace(actor_cfg.optim, clip_grad=1e6))
     return actor_cfg, dataclasses.replace(model_cfg, use_fused_kernels=fused)
@@ -47,9 +47,9 @@ def _actor_update(layout_kwargs, kind, fused, agg):
     actor_cfg, model_cfg = _cfgs(kind, fused, agg)
     actor = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     ref = ReferenceWorker(hf, actor_cfg.megatron, model_cfg)
-    _load(actor, _weight_for)
+    _load(actor, weight_for)
     _load(ref, _ref_weight_for)
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     mask = batch["response_mask"]
     old = actor.compute_log_prob(batch, temperature=TEMPERATURE, micro_batch_size=4)
     batch["old_log_probs"] = old + batch["noise"] * mask
@@ -82,11 +82,11 @@ def _full_logit_loss(kind, agg, with_kl=True):
     actor_cfg, model_cfg = _cfgs(kind, True, agg)
     policy = LogProbModel(hf, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg)
     ref = LogProbModel(hf, megatron_cfg=actor_cfg.megatron, model_cfg=model_cfg)
-    _load(policy, _weight_for)
+    _load(policy, weight_for)
     _load(ref, _ref_weight_for)
     for worker in (policy, ref):
         worker.models[0].return_hidden = False  # full-vocabulary logits
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     mask = batch["response_mask"].float()
 
     def log_softmax_of(model, i):

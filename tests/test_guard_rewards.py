@@ -3,8 +3,8 @@ ONE data-parallel rank trains nothing on EVERY rank (issue 26 class 2: the guard
 where cross-rank agreement is needed), and the run goes on training afterwards."""
 import torch
 
-from tests.test_faults import _run, _weights
-from tests.test_e2e import _records
+from tests.test_faults import run_with_faults, saved_hf_weights
+from tests.test_e2e import read_records
 
 # rank 1's 20th sample (step 2: 16 samples per rank per step) scores NaN; every other one a
 # score that moves the policy
@@ -23,10 +23,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def test_a_nan_reward_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     path = tmp_path / "reward.py"
     path.write_text(REWARD)
-    rc, out, _ = _run(tmp_path, "nanreward", ["trainer.save_freq=-1", f"custom_reward_function.path={path}",
-                                              "trainer.max_nonfinite_skips=3", "trainer.collective_timeout_s=60"], 3)
+    rc, out, _ = run_with_faults(tmp_path, "nanreward",
+                                 ["trainer.save_freq=-1", f"custom_reward_function.path={path}",
+                                  "trainer.max_nonfinite_skips=3", "trainer.collective_timeout_s=60"], 3)
     assert rc == 0, out[-3000:]
-    records = _records(tmp_path, "nanreward")
+    records = read_records(tmp_path, "nanreward")
     assert [r["step"] for r in records] == [1, 2, 3]
     # rank 0 (whose metrics these are) had finite rewards at step 2 and still applied nothing
     assert [r["train/nonfinite_streak"] for r in records] == [0.0, 1.0, 0.0]
@@ -34,4 +35,4 @@ def test_a_nan_reward_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     # wait for its peer's gradients: the run would hang and fail)
     assert ["timing_s/update_actor" in r for r in records] == [True, False, True]
     assert ["actor/pg_loss" in r for r in records] == [True, False, True]
-    assert all(torch.isfinite(t).all() for t in _weights(tmp_path, "nanreward", 3).values())
+    assert all(torch.isfinite(t).all() for t in saved_hf_weights(tmp_path, "nanreward", 3).values())

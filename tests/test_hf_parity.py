@@ -118,7 +118,7 @@ def megatron_logits(chunks, tokens):
     return torch.cat(pieces, dim=-1) if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
-def _roundtrip(hf_dir, work, layout_kwargs, tokens):
+def roundtrip(hf_dir, work, layout_kwargs, tokens):
     import torch.distributed as dist
 
     from engine.models.hf_io import load_config, save_hf_weights
@@ -171,7 +171,7 @@ def saved_models(tmp_path_factory):
 def test_hf_megatron_parity_and_roundtrip(family, layout, world, saved_models, tmp_path):
     hf_dir, model = saved_models(family)
     tokens = tokens_for(model.config.vocab_size)
-    results = run_on_ranks(_roundtrip, world, hf_dir, str(tmp_path), layout, tokens)
+    results = run_on_ranks(roundtrip, world, hf_dir, str(tmp_path), layout, tokens)
     logits = [r for r in results if r is not None]  # one per data-parallel replica
     assert logits
     expected = hf_logits(model, tokens)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from engine.launch_ray import Launch, Placement, assign_ranks
-from tests.test_e2e import GRPO_RUN, GRPO_STEPS, ROOT, TINY, _records
+from tests.test_e2e import GRPO_RUN, GRPO_STEPS, ROOT, TINY, read_records
 
 VARYING = ("timing_s/", "perf/")  # wall-clock and memory figures differ run to run
 
@@ -53,7 +53,7 @@ def test_ray_run_gives_torchrun_metrics(tmp_path, ray_ok, grpo_run):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"[rank 0] step {GRPO_STEPS}/{GRPO_STEPS}" in done.stdout  # rank-prefixed logs reach the driver
-    ray = _records(tmp_path, "ray")
+    ray = read_records(tmp_path, "ray")
     assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == list(range(1, GRPO_STEPS + 1))
     for a, b in zip(torchrun, ray):
         keys = {k for k in a if not k.startswith(VARYING)}
@@ -200,7 +200,7 @@ def test_a_killed_pool_rank_is_restarted_and_the_run_finishes(tmp_path, ray_ok, 
     assert first.split("pid ")[1].split()[0] != again.split("pid ")[1].split()[0]  # a new process
     assert "rollout pool bundle 1" in first and "rollout pool bundle 1" in again  # in its own bundle
     assert "all 4 ranks finished; rank 3 restarted 1 time(s)" in out
-    ray = _records(tmp_path, "restart")
+    ray = read_records(tmp_path, "restart")
     assert [r["step"] for r in ray] == [r["step"] for r in torchrun] == list(range(1, GRPO_STEPS + 1))
     for a, b in zip(torchrun, ray):  # the regenerated share is the one the dead rank made
         for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm",

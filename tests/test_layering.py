@@ -38,9 +38,9 @@ LAYERS = [
 PACKAGES = ("engine", "tools", "parallel", "kernels")
 
 
-def _modules():
+def _modules(packages=PACKAGES):
     out = {}
-    for top in PACKAGES:
+    for top in packages:
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 if f.endswith(".py"):
@@ -51,6 +51,10 @@ def _modules():
 
 
 MODULES = _modules()
+# The private-name check reads tests/ too (a test importing another test module's helper, or a
+# tool's, breaks the rule as much as engine code does); tests are placed in no layer, so they
+# stay out of MODULES and the layer checks.
+CHECKED_FOR_PRIVATE_NAMES = _modules(PACKAGES + ("tests",))
 
 
 def _layer(module):
@@ -62,16 +66,16 @@ def _layer(module):
     return None if best is None else best[0]
 
 
-def _resolve(name):
+def _resolve(name, modules=MODULES):
     """The repository module `name` names (a module, or the module holding an imported name)."""
-    while name and name not in MODULES:
+    while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
 
 
-def _imports(module, path):
+def _imports(module, path, modules=MODULES, tree=None):
     """[(line, imported module, imported name)] of every import in the file, at any depth."""
-    tree = ast.parse(open(path).read())
+    tree = ast.parse(open(path).read()) if tree is None else tree
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -84,7 +88,7 @@ def _imports(module, path):
                 base = ".".join(parts + ([node.module] if node.module else []))
             for a in node.names:
                 sub = f"{base}.{a.name}"
-                out.append((node.lineno, sub if sub in MODULES else base, None if sub in MODULES else a.name))
+                out.append((node.lineno, sub if sub in modules else base, None if sub in modules else a.name))
     return out
 
 
@@ -107,14 +111,62 @@ def test_no_import_points_up_a_layer():
     assert upward == []
 
 
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(module, path, modules, source=None):
+    """Another repository module's private names that `module` uses: imported (`from m import
+    _x`, at any depth) or read off a module it imported (`m._x`, `pkg.m._x`)."""
+    tree = ast.parse(open(path).read() if source is None else source)
+    out, bound = [], {}  # bound: a local name -> the repository module it names
+    for line, target, name in _imports(module, path, modules, tree):
+        owner = _resolve(target, modules)
+        if name and _private(name) and owner not in (None, module):
+            out.append(f"{module}:{line} imports {target}.{name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                local = a.asname or a.name.split(".")[0]
+                bound[local] = a.name if a.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            for line, target, name in _imports(module, path, modules, ast.Module([node], [])):
+                if name is None:  # `from pkg import submodule`
+                    asname = next(a.asname for a in node.names if target.endswith("." + a.name))
+                    bound[asname or target.rpartition(".")[2]] = target
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                owner = ".".join([bound[value.id], *reversed(chain)])
+                if owner in modules and owner != module:
+                    out.append(f"{module}:{node.lineno} reads {owner}.{node.attr}")
+    return out
+
+
 def test_no_module_imports_another_modules_private_names():
+    """engine/, tools/, parallel/, kernels/ and tests/: no module imports another's `_name` or
+    reads `module._name` off one it imported; a helper others use is public where it is defined."""
     private = []
-    for module, path in MODULES.items():
-        for line, target, name in _imports(module, path):
-            if name and name.startswith("_") and not name.startswith("__") and _resolve(target) != module \
-                    and _resolve(target) is not None:
-                private.append(f"{module}:{line} imports {target}.{name}")
+    for module, path in CHECKED_FOR_PRIVATE_NAMES.items():
+        private += _private_uses(module, path, CHECKED_FOR_PRIVATE_NAMES)
     assert private == []
+
+
+def test_the_private_name_check_sees_tests_and_tools():
+    planted = ("from tests.test_layouts import _weight_for, weight_for\n"
+               "def f():\n    from tools.plan import _report\n"
+               "from tools import plan as p\nimport engine.faults\nfrom . import multirank\n"
+               "p._main([])\nengine.faults._where['step']\nmultirank._POOLS.clear()\n"
+               "from engine.rollout.group import recv_object as _recv\n_recv.x\n")
+    found = _private_uses("tests.test_planted", os.path.join(ROOT, "tests", "test_planted.py"),
+                          CHECKED_FOR_PRIVATE_NAMES, source=planted)
+    assert sorted(f.split(" ", 1)[1] for f in found) == [
+        "imports tests.test_layouts._weight_for", "imports tools.plan._report",
+        "reads engine.faults._where", "reads tests.multirank._POOLS", "reads tools.plan._main"]
 
 
 def _trainer_reads(tree):

@@ -27,7 +27,7 @@ def _assert_close(got, want, msg=None):
                                msg=lambda detail: f"{msg or 'logits'}: {detail}")
 
 
-def _weight_for(name, shape):
+def weight_for(name, shape):
     seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g) * 0.2
@@ -57,7 +57,7 @@ def _layout_run(family, layout_kwargs, n_micro):
     hf = tiny_config(family)
     chunks = build_model(hf, sequence_parallel=layout.sequence_parallel)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(chunks)}
-    load_global(chunks, lambda name: _weight_for(name, shapes[name]))
+    load_global(chunks, lambda name: weight_for(name, shapes[name]))
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
     chunks = [DistributedDataParallel(c.config, ddp_cfg, c) for c in chunks]
 

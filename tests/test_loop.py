@@ -69,7 +69,7 @@ class Recorder(Loop):
         return self.loader.next_batch()
 
     def train_step(self, batch):
-        self.events.append(f"train_step:{self.step_count}:fault_step={faults._where['step']}")
+        self.events.append(f"train_step:{self.step_count}:fault_step={faults.current['step']}")
         self.count += 1
         return {"loss": float(batch), "private": 1.0}
 

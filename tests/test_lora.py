@@ -3,7 +3,7 @@ only adapters train (and Adam's state shrinks to theirs), TP 2 (with and without
 parallelism) equals TP 1, the rollout receives W + (alpha / r) B A under HF names (checked
 against transformers' own forward and against the formula), checkpoints hold adapters only.
 
-Weights come from their global names (`_weight_for`), so every layout holds the same model;
+Weights come from their global names (`weight_for`), so every layout holds the same model;
 B starts from its global name too (scaled), so the adapters are not trivially zero.
 """
 import dataclasses
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
-from tests.test_ppo_update import B, P, R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_ppo_update import B, P, R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 RANK, ALPHA = 4, 8.0
@@ -30,7 +30,7 @@ def _actor(layout_kwargs, targets, b_scale=0.05, lora_rank=RANK, base_only=False
 
     init_mesh(Layout(**layout_kwargs), seed=1)
     hf = tiny_config("llama")
-    actor_cfg, _, _ = _configs()
+    actor_cfg, _, _ = make_configs()
     model_cfg = ModelConfig(lora_rank=0 if base_only else lora_rank, lora_alpha=ALPHA,
                             target_modules=list(targets))
     worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
@@ -39,7 +39,7 @@ def _actor(layout_kwargs, targets, b_scale=0.05, lora_rank=RANK, base_only=False
     def get(name):
         if ".lora_A." in name or (".lora_B." in name and not b_scale):
             return None  # the seeded initialisation (B = 0)
-        return _weight_for(name, shapes[name]) * (b_scale if ".lora_B." in name else 1.0)
+        return weight_for(name, shapes[name]) * (b_scale if ".lora_B." in name else 1.0)
     load_global(worker.chunks, get)
     return hf, worker
 
@@ -83,7 +83,7 @@ def _start_and_reference():
     from engine.workers.actor import ReferenceWorker
     from parallel.shards import iter_global, load_global, local_shards
 
-    batch = _batch(96)
+    batch = make_batch(96)
     hf, fresh = _actor({}, ["all-linear"], b_scale=0.0)
     out = {"fresh": fresh.compute_log_prob(batch, micro_batch_size=4)}
     _, trained = _actor({}, ["all-linear"])
@@ -92,7 +92,7 @@ def _start_and_reference():
     # the independent reference: a plain Megatron model, no LoRA code, same base weights
     ref = ReferenceWorker(hf, MegatronConfig(params_dtype="float32"), ModelConfig())
     shapes = {s.global_name: s.global_shape for _, s in local_shards(ref.chunks)}
-    load_global(ref.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(ref.chunks, lambda n: weight_for(n, shapes[n]))
     out["base"] = ref.compute_log_prob(batch, micro_batch_size=4)
     out["A"] = {n: t.clone() for n, t in iter_global(fresh.chunks) if ".lora_A." in n}
     return out
@@ -129,9 +129,9 @@ def _train_once(adapters: bool):
     hf = transformers.AutoConfig.for_model(inline.pop("model_type"), **inline)
     model = dataclasses.replace(model, lora_rank=RANK if adapters else 0, lora_alpha=ALPHA,
                                 target_modules=["all-linear"])
-    actor_cfg, _, _ = _configs()
+    actor_cfg, _, _ = make_configs()
     worker = ActorWorker(hf, actor_cfg, model, response_length=R)
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     before = {n: t.clone() for n, t in iter_global(worker.chunks)}
     old = worker.compute_log_prob(batch, micro_batch_size=4)
     batch["old_log_probs"] = old + 0.3 * batch["noise"] * batch["response_mask"]
@@ -173,7 +173,7 @@ def test_only_adapters_train_and_adam_state_shrinks_to_theirs():
 
 
 # ------------------------------------------------- layouts, and what the rollout receives
-def _hf_log_probs(model, batch):
+def hf_log_probs(model, batch):
     """Response log-probs from a transformers model, left-padded prompts as the trainer's."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -189,7 +189,7 @@ def _lora_step(layout_kwargs, targets):
     from parallel.shards import iter_global
 
     hf, worker = _actor(layout_kwargs, targets)
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     mine = _my_rows(batch)
     out = {"log_prob": worker.compute_log_prob(mine, micro_batch_size=2),
            "ref": worker.base_reference().compute_log_prob(mine, micro_batch_size=2)}
@@ -201,7 +201,7 @@ def _lora_step(layout_kwargs, targets):
     rollout = CPURollout(hf)
     sync_weights(worker.chunks, rollout, hf, bucket_megabytes=0.01)  # several buckets
     out["merged"] = {n: t.clone() for n, t in rollout.model.state_dict().items()}
-    out["rollout_log_prob"] = _hf_log_probs(rollout.model, batch)
+    out["rollout_log_prob"] = hf_log_probs(rollout.model, batch)
     out["after"] = worker.compute_log_prob(batch, micro_batch_size=4)
     return out
 
@@ -273,7 +273,7 @@ def _save_resume(root):
     from parallel.shards import iter_global
 
     def update(worker, seed):
-        batch = _batch(96, seed=seed)
+        batch = make_batch(96, seed=seed)
         mine = _my_rows(batch)
         old = worker.compute_log_prob(mine, micro_batch_size=2)
         mine["old_log_probs"] = old + 0.3 * mine["noise"] * mine["response_mask"]

@@ -11,11 +11,11 @@ import pytest
 import torch
 import transformers
 
-from tests.test_e2e import _run
+from tests.test_e2e import run_demo
 from tests.test_hf_parity import read_all, save_random_model
-from tests.test_layouts import _weight_for
-from tests.test_lora import ALPHA, RANK, SOME, _hf_log_probs
-from tests.test_ppo_update import R, _batch, _configs
+from tests.test_layouts import weight_for
+from tests.test_lora import ALPHA, RANK, SOME, hf_log_probs
+from tests.test_ppo_update import R, make_batch, make_configs
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def test_two_step_lora_run_under_torchrun(tmp_path):
     extra = [*LORA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
              "actor_rollout_ref.actor.megatron.param_offload=true",
              "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.save_hf=true"]
-    _, records = _run(tmp_path, "lora", extra, steps=2)
+    _, records = run_demo(tmp_path, "lora", extra, steps=2)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["actor/grad_norm"] > 0 and "actor/kl_loss" in r for r in records)
     step = tmp_path / "ckpt" / "lora" / "global_step_2"
@@ -74,14 +74,14 @@ def _lora_checkpoint(base_dir, root):
 
     init_mesh(Layout(), seed=1)
     hf = hf_io.load_config(base_dir)
-    actor_cfg, _, _ = _configs()
+    actor_cfg, _, _ = make_configs()
     model = ModelConfig(path=base_dir, lora_rank=RANK, lora_alpha=ALPHA, target_modules=SOME)
     worker = ActorWorker(hf, actor_cfg, model, response_length=R)
     hf_io.load_hf_weights(worker.chunks, base_dir)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]) * 0.05 if ".lora_B." in n else None)
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]) * 0.05 if ".lora_B." in n else None)
     path = CheckpointManager(root).save(1, {"actor": worker}, {"step": 1})
-    return path, worker.compute_log_prob(_batch(hf.vocab_size), micro_batch_size=4)
+    return path, worker.compute_log_prob(make_batch(hf.vocab_size), micro_batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def exported(tmp_path_factory):
 
 def test_merged_export_is_the_lora_actor(exported):
     model = transformers.AutoModelForCausalLM.from_pretrained(exported["merged"], dtype=torch.float32)
-    lp = _hf_log_probs(model.eval(), _batch(model.config.vocab_size))
+    lp = hf_log_probs(model.eval(), make_batch(model.config.vocab_size))
     torch.testing.assert_close(lp, exported["log_prob"], atol=1e-5, rtol=0)
 
 
@@ -130,7 +130,7 @@ def test_peft_loads_the_adapter(exported):
     import peft  # the dev extra installs it: missing fails, never skips
     base = transformers.AutoModelForCausalLM.from_pretrained(exported["base"], dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, exported["peft"]).eval()
-    lp = _hf_log_probs(model, _batch(base.config.vocab_size))
+    lp = hf_log_probs(model, make_batch(base.config.vocab_size))
     torch.testing.assert_close(lp, exported["log_prob"], atol=1e-5, rtol=0)
 
 

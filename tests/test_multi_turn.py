@@ -189,16 +189,16 @@ def _masked_update(alter):
     from engine.workers.actor import ActorWorker
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import iter_global, load_global, local_shards
-    from tests.test_layouts import _weight_for
-    from tests.test_ppo_update import R, _batch, _configs
+    from tests.test_layouts import weight_for
+    from tests.test_ppo_update import R, make_batch, make_configs
     from tests.tiny_models import tiny_config
 
     init_mesh(Layout(), seed=1)
-    actor_cfg, _, model_cfg = _configs(use_kl_loss=True, entropy_coeff=0.01)
+    actor_cfg, _, model_cfg = make_configs(use_kl_loss=True, entropy_coeff=0.01)
     worker = ActorWorker(tiny_config("llama"), actor_cfg, model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
-    batch = _batch(worker.hf_config.vocab_size)
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
+    batch = make_batch(worker.hf_config.vocab_size)
     valid = batch["response_mask"].clone()
     observation = valid.clone() * 0
     observation[:, 1:3] = valid[:, 1:3]  # tokens 1-2 of each response are an observation
@@ -264,7 +264,7 @@ def test_the_metrics_count_turns_tools_tokens_and_endings():
 
 
 # -- the Actor of verl's multi_turn config, on the agent tokenizer --------------------------
-def _tool_actor(timeout_s=2.0, tools=None, max_chars=None):
+def make_tool_actor(timeout_s=2.0, tools=None, max_chars=None):
     from engine.agents.parsers import get_parser
     from engine.agents.render import observation_ids
     from engine.agents.runner import ToolRunner
@@ -287,7 +287,7 @@ def _tool_actor(timeout_s=2.0, tools=None, max_chars=None):
     ('<tool_call>not json</tool_call>', "Error"),
 ])
 def test_a_tool_call_becomes_the_templates_tool_turn(call, result):
-    tok, actor = _tool_actor()
+    tok, actor = make_tool_actor()
     obs = actor.act(None, call, called=True)
     text = tok.decode(obs.ids)
     assert text.startswith("<|im_end|>\n<|im_start|>tool\n<tool_response>" + result)
@@ -304,7 +304,7 @@ def test_a_hanging_tool_is_an_error_observation_within_its_timeout():
 
         def call(self, **_):
             time.sleep(30)
-    tok, actor = _tool_actor(timeout_s=0.3, tools={"hang": Hang()})
+    tok, actor = make_tool_actor(timeout_s=0.3, tools={"hang": Hang()})
     start = time.monotonic()
     obs = actor.act(None, '<tool_call>{"name": "hang", "arguments": {}}</tool_call>', called=True)
     assert time.monotonic() - start < 2.0 and obs.tool_timeouts == 1
@@ -347,7 +347,7 @@ def test_cpu_backend_trajectories_are_the_models_own_tokens_and_log_probs():
     from engine.rollout.multi_turn import Limits
     from engine.rollout.tool_actor import multi_turn_generate
 
-    tok, actor = _tool_actor(max_chars=24)
+    tok, actor = make_tool_actor(max_chars=24)
     model, end = tool_happy_model(tok)
     config = model.config
     engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])
@@ -529,7 +529,7 @@ def test_on_the_cpu_backend_a_slow_tool_delays_only_its_own_trajectory():
     from engine.rollout.cpu import CPURollout
     from engine.rollout.tool_actor import multi_turn_generate
 
-    tok, _ = _tool_actor()
+    tok, _ = make_tool_actor()
     model, end = tool_happy_model(tok, end_logit=0.8, eos_logit=-2.0)
     config = model.config
     engine = CPURollout(config, eos_token_ids=[tok.eos_token_id])

@@ -59,7 +59,7 @@ def test_closing_a_pool_ends_the_processes_its_workers_started():
     from tests import multirank
     pid = run_on_ranks(_start_lingering_child, 1)[0]
     assert psutil.pid_exists(pid)
-    multirank._POOLS.pop(1).close()
+    multirank.POOLS.pop(1).close()
     deadline = time.monotonic() + 10
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the worker's child outlived the pool"

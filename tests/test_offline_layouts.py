@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
+from tests.test_layouts import weight_for
 from tests.tiny_models import tiny_config
 
 PAIRS, P, R = 8, 5, 6
@@ -74,7 +74,7 @@ def _run_update(layout, task, micro, dynamic, packed):
     hf = tiny_config("llama")
     worker = _worker(task, hf, micro, dynamic, packed, tp=layout.get("tp", 1))
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
     worker.optimizer.reload_model_params()
     metrics = worker.update_pairs(_my_pairs(_examples(hf.vocab_size)))
     return metrics, dict(iter_global(worker.chunks, "param"))
@@ -115,7 +115,7 @@ def test_update_is_layout_invariant(task, name, ranks, layout, micro, dynamic, p
     metrics, weights = _collect(run_on_ranks(_run_update, ranks, layout, task, micro, dynamic,
                                              packed))
     assert weights.keys() == ref_weights.keys()
-    moved = max(float((ref_weights[k] - _weight_for(k, ref_weights[k].shape)).abs().max())
+    moved = max(float((ref_weights[k] - weight_for(k, ref_weights[k].shape)).abs().max())
                 for k in ref_weights)
     assert moved > 5e-4  # the update did something
     for k in ref_weights:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from engine.config import load_config
-from tools.plan import GIB, RESERVE_GIB, _report, estimate
+from tools.plan import GIB, RESERVE_GIB, estimate, report_text
 from tools.plan_memory import Shape
 from tools.plan_rollout import KEY, engine_memory, kv_bytes_per_token, vllm_activation_peak
 
@@ -87,7 +87,7 @@ def test_estimate_states_vllms_budget_of_the_whole_device():
     assert r["kv_cache_per_gpu"] == kv
     assert r["kv_bytes_per_token"] == 2 * 2 * 32 * 4 and r["kv_tokens"] == int(kv // 512)
     assert e["phases"]["gen"] >= r["share_per_gpu"] and e["fits"]
-    text = _report(e)
+    text = report_text(e)
     assert "vLLM budget gpu_memory_utilization 0.55 x 16.00 GiB device memory" in text
     # SGLang on the same recipe and value: u x (16 - RESERVE_GIB) GiB, the weights, the rest a pool
     g = _tiny("sglang", 0.55)["rollout"]
@@ -124,7 +124,7 @@ def test_vllm_fit_beside_resident_training_names_the_value_that_fits():
     assert fit == math.floor(((80 - RESERVE_GIB) * GIB - awake) / (80 * GIB) * 100) / 100
     assert r["problems"] and all(p.startswith(f"{KEY}=0.6:") and p.endswith(f"use {KEY}={fit:g}")
                                  for p in r["problems"])
-    assert "NOT FITTING" in _report(e)
+    assert "NOT FITTING" in report_text(e)
     assert plan("vllm", fit)["fits"] and not plan("vllm", round(fit + 0.01, 2))["fits"]
     # SGLang's fraction is of the free device: the same training leaves it a larger value
     assert plan("sglang", 0.6)["rollout"]["utilization_fit"] > fit

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
+from tests.test_layouts import weight_for
 from tests.tiny_models import tiny_config
 
 B, P, R = 8, 5, 6
 
 
-def _batch(vocab, seed=3):
+def make_batch(vocab, seed=3):
     from engine.batch import Batch
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(2, P + 1, (B,), generator=g)
@@ -43,7 +43,7 @@ def _batch(vocab, seed=3):
                       noise=torch.randn(B, R, generator=g) * 0.3))
 
 
-def _configs(**actor_kw):
+def make_configs(**actor_kw):
     from engine.config import ActorConfig, CriticConfig, MegatronConfig, ModelConfig, OptimConfig
     meg = MegatronConfig(params_dtype="float32", use_distributed_optimizer=True)
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0)
@@ -68,10 +68,10 @@ def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, ove
     layout = Layout(**layout_kwargs)
     init_mesh(layout, seed=1)
     hf = tiny_config("llama")
-    actor_cfg, critic_cfg, model_cfg = _configs(use_dynamic_bsz=dynamic,
-                                                ppo_max_token_len_per_gpu=24,
-                                                ppo_micro_batch_size_per_gpu=micro,
-                                                **(actor_kw or {}))
+    actor_cfg, critic_cfg, model_cfg = make_configs(use_dynamic_bsz=dynamic,
+                                                    ppo_max_token_len_per_gpu=24,
+                                                    ppo_micro_batch_size_per_gpu=micro,
+                                                    **(actor_kw or {}))
     model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed, use_fused_kernels=fused)
     if overlap:  # Megatron's overlapped gradient reduce / parameter gather
         meg = dataclasses.replace(actor_cfg.megatron, overlap_grad_reduce=True,
@@ -85,13 +85,13 @@ def _run_update(layout_kwargs, micro, dynamic, packed, role, mini_batches=1, ove
     else:
         worker = CriticWorker(hf, critic_cfg, model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
     if role == "critic":
         for m in worker.models:
             if m.post_process:
-                m.value_head.weight.data.copy_(_weight_for("value_head", m.value_head.weight.shape))
+                m.value_head.weight.data.copy_(weight_for("value_head", m.value_head.weight.shape))
 
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(rank * B // dp, (rank + 1) * B // dp)))
     worker.mini_batch_size_per_rank = len(mine) // mini_batches
@@ -170,7 +170,7 @@ def test_update_is_layout_and_split_invariant(role, name, world, layout, micro, 
     moved = 0
     for n in ref_weights:
         torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=0, msg=n)
-        moved += int(not torch.equal(weights[n], _weight_for(n, weights[n].shape)))
+        moved += int(not torch.equal(weights[n], weight_for(n, weights[n].shape)))
     assert moved > len(ref_weights) // 2, "the update should change most weights"
 
 
@@ -214,10 +214,10 @@ def _update_without_old_log_probs_over_two_mini_batches():
 
     init_mesh(Layout(), seed=1)
     hf = tiny_config("llama")
-    actor_cfg, _, model_cfg = _configs()
+    actor_cfg, _, model_cfg = make_configs()
     worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     worker.mini_batch_size_per_rank = B // 2
-    batch = _batch(hf.vocab_size)
+    batch = make_batch(hf.vocab_size)
     batch["ref_log_prob"] = torch.zeros(B, R)
     with pytest.raises(ValueError, match="old_log_probs are needed"):
         worker.update_policy(batch)
@@ -247,13 +247,13 @@ def _update_twice(offload):
 
     init_mesh(Layout(), seed=1)
     hf = tiny_config("llama")
-    actor_cfg, _, model_cfg = _configs()
+    actor_cfg, _, model_cfg = make_configs()
     actor_cfg = dc.replace(actor_cfg, megatron=dc.replace(
         actor_cfg.megatron, param_offload=True, grad_offload=True, optimizer_offload=True))
     worker = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
-    batch = _batch(hf.vocab_size)
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
+    batch = make_batch(hf.vocab_size)
     freed = []
     for _ in range(2):
         old = worker.compute_log_prob(batch, micro_batch_size=4)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
+from tests.test_layouts import weight_for
 from tests.tiny_models import tiny_config
 
 ATOL = 1e-5  # fp32 logits, TP-split reductions vs HF's unsplit ones
@@ -28,7 +28,7 @@ def _build(family, layout_kwargs, **config_overrides):
     hf = tiny_config(family, **config_overrides)
     chunks = build_model(hf)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(chunks)}
-    load_global(chunks, lambda name: _weight_for(name, shapes[name]))
+    load_global(chunks, lambda name: weight_for(name, shapes[name]))
     return hf, chunks
 
 
@@ -53,7 +53,7 @@ def _reshard_run(family, layout_kwargs, bucket_bytes, config_overrides):
         bucket_bytes_seen.append(sum(t.numel() * t.element_size() for _, t in bucket))
         for name, tensor in bucket:
             seen.append((name, tuple(tensor.shape)))
-            if not torch.equal(tensor, _weight_for(name, tensor.shape)):
+            if not torch.equal(tensor, weight_for(name, tensor.shape)):
                 mismatched.append(name)
     return dict(seen=seen, mismatched=mismatched, peak=counter.peak, alive=counter.alive,
                 planned=[b.nbytes for b in planned], yielded=bucket_bytes_seen,
@@ -137,7 +137,7 @@ def _compare(chunks, rollout):
 
 def _updated_weight(name, shape):
     """An optimizer-like step away from the generator's weights, the same on every rank."""
-    return _weight_for(name, shape) - 0.05 * _weight_for(name + "/update", shape)
+    return weight_for(name, shape) - 0.05 * weight_for(name + "/update", shape)
 
 
 def _sync_run(family, layout_kwargs, bucket_megabytes):

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from tests.multirank import run_on_ranks
-from tests.test_ppo_update import _batch
+from tests.test_ppo_update import make_batch
 from tests.tiny_models import tiny_config
 
 
@@ -36,7 +36,7 @@ def test_reward_model_matches_transformers_sequence_classification(tmp_path):
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.save_pretrained(tmp_path)
-    batch = _batch(cfg.vocab_size)
+    batch = make_batch(cfg.vocab_size)
     scores = run_on_ranks(_scores, 2, str(tmp_path), batch, dict(tp=2))
     expected = []
     with torch.no_grad():

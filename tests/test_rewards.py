@@ -105,7 +105,7 @@ def test_registry_dispatch_and_unknown_source(monkeypatch):
     assert default_compute_score("arith", "5", "5")["score"] == 1.0
     with pytest.raises(ValueError, match="no rule reward for data_source='mystery'.*openai/gsm8k"):
         default_compute_score("mystery", "5", "5")
-    monkeypatch.setattr(registry, "_REWARDS", dict(registry._REWARDS))  # keep the global table clean
+    monkeypatch.setattr(registry, "REWARDS", dict(registry.REWARDS))  # keep the global table clean
     register_reward("test/always_half", lambda s, gt, extra=None: 0.5)
     assert "test/always_half" in known_data_sources()
     assert default_compute_score("test/always_half", "x", "y") == 0.5

@@ -51,7 +51,7 @@ def _sglang_groups(tmp):
                     inputs=[list(x) for x in prompts.input_ids],
                     responses=batch["responses"].tolist(), mask=batch["response_mask"].tolist(),
                     grad_norm=metrics["actor/grad_norm"], route_bytes=t.rollout.route_bytes,
-                    hf_names=sorted(_hf_names(t)))
+                    hf_names=sorted(hf_names(t)))
     finally:
         sys.path.remove(FAKES)
         sys.modules.pop("sglang", None)
@@ -59,7 +59,7 @@ def _sglang_groups(tmp):
             sys.modules.pop(name)
 
 
-def _hf_names(trainer):
+def hf_names(trainer):
     from engine.models.weights import global_shapes, megatron_to_hf
     import torch
     return [n for name, shape in global_shapes(trainer.hf_config).items()

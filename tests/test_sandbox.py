@@ -38,7 +38,7 @@ def _sandbox_dirs():
 
 
 def _sandbox_user_pids(cfg):
-    uid, _, _ = sandbox._sandbox_uid(cfg)
+    uid, _, _ = sandbox.sandbox_uid(cfg)
     if uid is None:
         return set()
     return {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid}

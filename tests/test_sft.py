@@ -28,7 +28,7 @@ import transformers
 
 from engine.errors import DataError
 from tests.multirank import run_on_ranks
-from tests.test_layouts import _weight_for
+from tests.test_layouts import weight_for
 from tests.tiny_models import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,7 +276,7 @@ def _run_update(layout, micro, dynamic, packed):
     hf = tiny_config("llama")
     worker = _sft_worker(hf, micro, dynamic, packed, tp=layout.get("tp", 1))
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
     worker.optimizer.reload_model_params()
     metrics = worker.update_sft(_my_share(_examples(hf.vocab_size)))
     return metrics, dict(iter_global(worker.chunks, "param"))
@@ -312,7 +312,7 @@ LAYOUTS = [  # (name, ranks, layout, micro, dynamic, packed)
 def test_update_is_layout_invariant(name, ranks, layout, micro, dynamic, packed):
     ref_metrics, ref_weights = _reference()
     metrics, weights = _collect(run_on_ranks(_run_update, ranks, layout, micro, dynamic, packed))
-    moved = max(float((w - _weight_for(k, w.shape)).abs().max()) for k, w in ref_weights.items())
+    moved = max(float((w - weight_for(k, w.shape)).abs().max()) for k, w in ref_weights.items())
     assert moved > 5e-4  # the update did something
     for k in ref_weights:
         torch.testing.assert_close(weights[k], ref_weights[k], atol=1e-5, rtol=0, msg=k)

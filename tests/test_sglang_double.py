@@ -326,9 +326,9 @@ def test_multi_turn_drives_the_engine_through_async_generate_on_its_loop(double,
     from engine.rollout.multi_turn import Limits
     from engine.rollout.sglang import SGLangRollout
     from engine.rollout.tool_actor import multi_turn_generate
-    from tests.test_multi_turn import _tool_actor, tool_happy_model
+    from tests.test_multi_turn import make_tool_actor, tool_happy_model
 
-    tok, actor = _tool_actor(max_chars=24)
+    tok, actor = make_tool_actor(max_chars=24)
     model, end = tool_happy_model(tok)
     path = str(tmp_path / "m")
     model.config.save_pretrained(path)

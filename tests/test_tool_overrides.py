@@ -15,9 +15,9 @@ OVERRIDES = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
 
 
 def _plan(argv, tmp_path, capsys):
-    from tools.plan import _main
+    from tools.plan import main_raising
     out = tmp_path / f"plan{len(list(tmp_path.iterdir()))}.json"
-    _main(argv + ["--json", str(out)])
+    main_raising(argv + ["--json", str(out)])
     return capsys.readouterr().out, json.loads(out.read_text())
 
 
@@ -40,9 +40,9 @@ def test_every_recipe_tool_reads_late_overrides_in_order():
     assert (a.overrides, a.nproc, a.steps) == (["a=1", "b=2", "c=3"], 4, 2)
     r = parse_args(["r.yaml", "--cpus-per-rank", "2", "a=1", "b=2"])
     assert (r.recipe, r.overrides, r.cpus_per_rank) == ("r.yaml", ["a=1", "b=2"], 2)
-    from tools.plan import _main
+    from tools.plan import main_raising
     with pytest.raises(UsageError, match="unrecognized arguments: stray"):
-        _main([RECIPE, "--gpus", "8", "stray"])  # a word that is no override is still refused
+        main_raising([RECIPE, "--gpus", "8", "stray"])  # a word that is no override is still refused
 
 
 def test_benchmark_step_subcommand_takes_late_overrides(monkeypatch):
@@ -50,5 +50,6 @@ def test_benchmark_step_subcommand_takes_late_overrides(monkeypatch):
     seen = {}
     monkeypatch.setattr(bench_step, "check", lambda args: seen.setdefault("args", args))
     monkeypatch.setitem(benchmark.SUBCOMMANDS, "step", (bench_step.add_arguments, lambda args: {}))
-    benchmark._main(["step", "--nproc", "2", "data.train_batch_size=8", "--steps", "1", "trainer.seed=3"])
+    benchmark.main_raising(["step", "--nproc", "2", "data.train_batch_size=8", "--steps", "1",
+                            "trainer.seed=3"])
     assert seen["args"].overrides == ["data.train_batch_size=8", "trainer.seed=3"]

@@ -26,7 +26,7 @@ def _vllm_step(tmp):
         from engine.config import load_config
         from engine.train import build
         from engine.trainer import Trainer, set_seed
-        from tests.test_rollout_groups import _hf_names
+        from tests.test_rollout_groups import hf_names
         vllm.RECORDS.clear()
         cfg = load_config(DEMO, [
             "trainer.n_gpus_per_node=4", "trainer.logger=[]", "trainer.resume_mode=disable",
@@ -46,7 +46,7 @@ def _vllm_step(tmp):
         t.colocated.to_training()
         t.rollout.shutdown()
         return dict(records=list(vllm.RECORDS), built=built, log=list(t.colocated.log),
-                    dp_rank=ps.get_data_parallel_rank(), hf_names=sorted(_hf_names(t)),
+                    dp_rank=ps.get_data_parallel_rank(), hf_names=sorted(hf_names(t)),
                     diff_max=metrics["training/rollout_probs_diff_max"],
                     diff_mean=metrics["training/rollout_probs_diff_mean"])
     finally:

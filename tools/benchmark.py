@@ -184,10 +184,10 @@ SUBCOMMANDS = {
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_main(main_raising, argv)
 
 
-def _main(argv=None):
+def main_raising(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _) in SUBCOMMANDS.items():

@@ -349,7 +349,7 @@ def _in_gib(value, key=None, parent=None):
     return value
 
 
-def _report(e):
+def report_text(e):
     lay = e["layout"]
     lines = [f"layout: TP={lay['tp']} PP={lay['pp']} VPP={lay['vpp']} CP={lay['cp']} EP={lay['ep']} "
              f"ETP={lay['etp']} DP={lay['dp']} EDP={lay['expert_dp']} SP={lay['sequence_parallel']} "
@@ -405,10 +405,10 @@ def _report(e):
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_main(main_raising, argv)
 
 
-def _main(argv=None):
+def main_raising(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--meta-rank"]:
         return _meta_rank_main(argv[1])
@@ -441,7 +441,7 @@ def _main(argv=None):
         cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = world // node, node
     e = estimate(cfg, world, a.gpu_mem, a.device)
     e["weight_sync"] = weight_sync(cfg, e, a.nvlink_gbps, a.internode_gbps)
-    print(_report(e))
+    print(report_text(e))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(_in_gib(e), f, indent=1)
@@ -456,7 +456,8 @@ def _main(argv=None):
     if a.search:
         print("\nlayouts that fit, best first:")
         found = search(cfg, world, a.gpu_mem, a.device)
-        print("\n".join(_report(x) for x in found) if found else "  none: add GPUs or enable offload/recompute")
+        print("\n".join(report_text(x) for x in found) if found
+              else "  none: add GPUs or enable offload/recompute")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def pair_batch(examples, pad_token_id):
 
 
 # -- sources -------------------------------------------------------------------------------
-_ANSWER_RANGE = {0: range(0, 9), 1: range(0, 19), 2: range(-99, 199)}
+ANSWER_RANGE = {0: range(0, 9), 1: range(0, 19), 2: range(-99, 199)}
 
 
 def arith_pairs(n, seed=0, difficulty=0, split="train", graded=False):
@@ -269,7 +269,7 @@ def arith_pairs(n, seed=0, difficulty=0, split="train", graded=False):
 
     def wrong(answer):
         if not graded:
-            return str(rng.choice([v for v in _ANSWER_RANGE[difficulty] if str(v) != answer]))
+            return str(rng.choice([v for v in ANSWER_RANGE[difficulty] if str(v) != answer]))
         while True:
             other = rng.choice(answers)
             if other != answer:

@@ -246,7 +246,7 @@ def _gather_group_ranks(shard):
     return dist.get_process_group_ranks(group)
 
 
-def _fail_together(error: Optional[str], cls=ValueError):
+def fail_together(error: Optional[str], cls=ValueError):
     """Raise the same error on every rank if any rank found one (no rank left waiting)."""
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
@@ -359,7 +359,7 @@ def write_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 200
     mine = {n: v for n, v in _owned(chunks).items() if not lora.is_adapter_name(n)}
     metas = [None] * dist.get_world_size()
     dist.all_gather_object(metas, {n: str(t.dtype).replace("torch.", "") for n, (t, _) in mine.items()})
-    _fail_together(check_new_output_dir(out_dir) if rank == 0 else None, UserError)
+    fail_together(check_new_output_dir(out_dir) if rank == 0 else None, UserError)
     value_head = any(VALUE_HEAD in m for m in metas)
     shapes = _hf_order(hf_config, value_head)
     order = list(shapes)
@@ -371,8 +371,8 @@ def write_hf_weights(chunks, hf_config, out_dir: str, shard_size_mb: float = 200
     absent = [n for n in order if n not in held]
     extra = sorted(held - set(order))
     if absent or extra:  # a bug: the chunks were built from this config
-        _fail_together(f"the model chunks do not match the config: missing {absent[:3]}, "
-                       f"unknown {extra[:3]}; build the model from this config")
+        fail_together(f"the model chunks do not match the config: missing {absent[:3]}, "
+                      f"unknown {extra[:3]}; build the model from this config")
 
     tmp = atomic_output_dir(out_dir) if rank == 0 else None
     save_dtype = _save_dtype(hf_config, dtype)

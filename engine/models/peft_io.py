@@ -60,7 +60,7 @@ def save_peft_adapter(chunks, hf_config, out_dir: str, base_model: Optional[str]
     error = None if spec else "the model has no LoRA adapters (lora_rank 0): nothing to export"
     if dist.get_rank() == 0 and error is None:
         error = hf_io.check_new_output_dir(out_dir)
-    hf_io._fail_together(error)
+    hf_io.fail_together(error)
     adapters = lora.full_adapters(chunks)
     if dist.get_rank() == 0:
         tensors = peft_tensors(adapters, hf_config, spec)

@@ -28,7 +28,7 @@ def _code_batch(items):
     return code.compute_scores(items)
 
 
-_REWARDS = {
+REWARDS = {
     "openai/gsm8k": _gsm8k,
     "gsm8k": _gsm8k,
     "lighteval/MATH": _math,
@@ -46,14 +46,14 @@ _BATCH_REWARDS = {code.DATA_SOURCE: _code_batch}
 
 
 def known_data_sources():
-    return sorted(_REWARDS) + [reasoning_gym.PREFIX + "<task>"]
+    return sorted(REWARDS) + [reasoning_gym.PREFIX + "<task>"]
 
 
 def register_reward(data_source, fn, batch_fn=None):
     """Add (or replace) the rule reward of `data_source`: fn(solution_str, ground_truth, extra_info);
     optionally batch_fn(list of (solution_str, ground_truth, extra_info)) -> list of results,
     used by `compute_scores` for a batch's samples of that data source."""
-    _REWARDS[data_source] = fn
+    REWARDS[data_source] = fn
     if batch_fn is None:
         _BATCH_REWARDS.pop(data_source, None)
     else:
@@ -61,10 +61,10 @@ def register_reward(data_source, fn, batch_fn=None):
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    if data_source not in _REWARDS and str(data_source).startswith(reasoning_gym.PREFIX):
+    if data_source not in REWARDS and str(data_source).startswith(reasoning_gym.PREFIX):
         task = data_source[len(reasoning_gym.PREFIX):]
         return reasoning_gym.compute_score(task, solution_str, ground_truth, extra_info)
-    fn = _REWARDS.get(data_source)
+    fn = REWARDS.get(data_source)
     if fn is None:
         raise ValueError(f"no rule reward for data_source={data_source!r}; known data sources: "
                          f"{known_data_sources()}. Register one with "

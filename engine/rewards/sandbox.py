@@ -144,7 +144,7 @@ class Isolation:
 
 
 # -- probing ----------------------------------------------------------------------------------
-def _sandbox_uid(cfg):
+def sandbox_uid(cfg):
     """(uid, gid, label) programs run as: `cfg.user` when we are root (see module doc)."""
     if os.geteuid() != 0 or not cfg.user:
         return None, None, f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()}, this user)"
@@ -223,7 +223,7 @@ def _probe(cfg_isolation, network, uid, gid):
 
 def isolation(cfg=None) -> Isolation:
     cfg = config_from(cfg)
-    uid, gid, label = _sandbox_uid(cfg)
+    uid, gid, label = sandbox_uid(cfg)
     namespace = _probe(cfg.isolation, cfg.network, uid, gid)
     network = "allowed" if cfg.network else ("namespace" if namespace else "prelude")
     return Isolation("namespace" if namespace else "process", network, label, _python(cfg, uid))
@@ -418,7 +418,7 @@ def run(files: Dict[str, str], main: str, cfg=None, env: Optional[Dict[str, str]
     program could find it by); the directory and every process are gone when this returns."""
     cfg = config_from(cfg)
     _announce(cfg)
-    uid, gid, _ = _sandbox_uid(cfg)
+    uid, gid, _ = sandbox_uid(cfg)
     namespace = _probe(cfg.isolation, cfg.network, uid, gid)
     python = _python(cfg, uid)
     if uid is not None and not _searchable_by_others(tempfile.gettempdir()):

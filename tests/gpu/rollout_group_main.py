@@ -29,7 +29,7 @@ def main(out_path):
     from engine.rollout.topology import rollout_topology
     from parallel.mesh import Layout, init_distributed, init_mesh
     from parallel.shards import load_global, local_shards
-    from tests.test_layouts import _weight_for
+    from tests.test_layouts import weight_for
     from tests.tiny_models import tiny_config
 
     init_distributed()
@@ -37,7 +37,7 @@ def main(out_path):
     hf = tiny_config("llama", vocab_size=128, hidden_size=128, intermediate_size=256, eos_token_id=1)
     chunks = build_model(hf, params_dtype=torch.bfloat16)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(chunks)}
-    load_global(chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(chunks, lambda n: weight_for(n, shapes[n]))
     model_dir = tempfile.mkdtemp(prefix="tiny-llama-")
     hf.save_pretrained(model_dir)
 

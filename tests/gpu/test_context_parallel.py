@@ -37,7 +37,7 @@ def _logits_rank(rank):
     from engine.models.builder import build_model
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import load_global, local_shards
-    from tests.test_layouts import _weight_for
+    from tests.test_layouts import weight_for
     from tests.tiny_models import tiny_config
 
     hf = tiny_config("llama", max_position_embeddings=SEQ)
@@ -49,7 +49,7 @@ def _logits_rank(rank):
         [model] = build_model(hf, params_dtype=torch.bfloat16)
         model.eval()
         shapes = {s.global_name: s.global_shape for _, s in local_shards([model])}
-        load_global([model], lambda n: _weight_for(n, shapes[n]).cuda())
+        load_global([model], lambda n: weight_for(n, shapes[n]).cuda())
         pos = torch.arange(SEQ, device="cuda").expand(BATCH, SEQ)
         batch = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos})
         with torch.no_grad():
@@ -73,26 +73,26 @@ def _update_rank(rank, packed):
     from engine.workers.actor import ActorWorker
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import iter_global, load_global, local_shards
-    from tests.test_layouts import _weight_for
-    from tests.test_ppo_update import B, R, _batch, _configs
+    from tests.test_layouts import weight_for
+    from tests.test_ppo_update import B, R, make_batch, make_configs
     from tests.tiny_models import tiny_config
 
     hf = tiny_config("llama")
     out = {}
     for cp in (1, 2):
         init_mesh(Layout(cp=cp), seed=1)
-        actor_cfg, _, model_cfg = _configs()
+        actor_cfg, _, model_cfg = make_configs()
         meg = dataclasses.replace(actor_cfg.megatron, params_dtype="bfloat16")
         actor_cfg = dataclasses.replace(actor_cfg, megatron=meg,
                                         optim=dataclasses.replace(actor_cfg.optim, lr=LR))
         model_cfg = dataclasses.replace(model_cfg, use_remove_padding=packed)
         actor = ActorWorker(hf, actor_cfg, model_cfg, response_length=R)
         shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
-        load_global(actor.chunks, lambda n: _weight_for(n, shapes[n]))
+        load_global(actor.chunks, lambda n: weight_for(n, shapes[n]))
         initial = {n: t.float().cpu() for n, t in iter_global(actor.chunks, "param")}
         # CP=1 on 2 GPUs is 2 DP replicas with half the batch each; CP=2 is one with all of it
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        mine = _batch(hf.vocab_size).index_select(
+        mine = make_batch(hf.vocab_size).index_select(
             list(range(dp_rank * B // dp, (dp_rank + 1) * B // dp)))
         actor.mini_batch_size_per_rank = len(mine)
         old = actor.compute_log_prob(mine, micro_batch_size=3)

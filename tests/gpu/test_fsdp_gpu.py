@@ -20,18 +20,18 @@ def _rank(rank, strategy, dtype):
     from parallel.fsdp import local
     from parallel.mesh import Layout, init_mesh
     from parallel.shards import iter_global, load_global, local_shards
-    from tests.test_layouts import _weight_for
-    from tests.test_ppo_update import B, R, _batch, _configs
+    from tests.test_layouts import weight_for
+    from tests.test_ppo_update import B, R, make_batch, make_configs
     from tests.tiny_models import tiny_config
 
     init_mesh(Layout(), seed=1)
-    actor_cfg, _, model_cfg = _configs(clip_ratio_low=0.15, clip_ratio_high=0.3)
+    actor_cfg, _, model_cfg = make_configs(clip_ratio_low=0.15, clip_ratio_high=0.3)
     meg = dataclasses.replace(actor_cfg.megatron, params_dtype=dtype)
     worker = ActorWorker(tiny_config("llama"), dataclasses.replace(actor_cfg, strategy=strategy, megatron=meg),
                          model_cfg, response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(worker.chunks)}
-    load_global(worker.chunks, lambda n: _weight_for(n, shapes[n]))
-    batch = _batch(worker.hf_config.vocab_size)
+    load_global(worker.chunks, lambda n: weight_for(n, shapes[n]))
+    batch = make_batch(worker.hf_config.vocab_size)
     dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = batch.index_select(list(range(r * B // dp, (r + 1) * B // dp)))
     worker.mini_batch_size_per_rank = len(mine)

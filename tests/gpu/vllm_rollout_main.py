@@ -72,7 +72,7 @@ def main(out_path):
     from engine.tasks import save_tokenizer
     from parallel.mesh import Layout, init_distributed, init_mesh
     from parallel.shards import load_global, local_shards
-    from tests.test_layouts import _weight_for
+    from tests.test_layouts import weight_for
     from tests.tiny_models import tiny_config
 
     init_distributed()
@@ -98,7 +98,7 @@ def main(out_path):
                            dp_rank=ps.get_data_parallel_rank())
     chunks = build_model(hf, params_dtype=torch.bfloat16)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(chunks)}
-    load_global(chunks, lambda n: _weight_for(n, shapes[n]))
+    load_global(chunks, lambda n: weight_for(n, shapes[n]))
     for chunk in chunks:
         chunk.eval()
 
