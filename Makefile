@@ -16,10 +16,11 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # The suite CI runs: everything but the tests marked slow. Measured whole from a clean clone on
-# this idle 2-core machine: 14:49 for 1241 tests (19:44 before engine/lazy_imports.py raised the
-# collector's young-generation threshold: the test and worker processes' large heaps were scanned
-# over and over). Two pytest-xdist workers were tried and were slower (21:57): the multi-rank
-# tests already fill both cores, and oversubscribed gloo ranks run 2-4x slower.
+# this 2-core machine, 1241 tests: 14:49, 17:31, 19:19 on three runs of the same tree (the
+# machine drifts: kernel time 329 -> 421 -> 501 s run over run); 19:44 and 19:56 before
+# engine/lazy_imports.py raised the collector's young-generation threshold. Two pytest-xdist
+# workers were tried and were slower (21:57): the multi-rank tests already fill both cores, and
+# oversubscribed gloo ranks run 2-4x slower.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
