@@ -111,7 +111,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install():
-    """Idempotent; does nothing for modules already imported."""
+    """The collector's young threshold raised, the finder installed. Idempotent; the finder does
+    nothing for modules already imported."""
     young, middle, old = gc.get_threshold()
     gc.set_threshold(max(young, YOUNG_THRESHOLD), middle, old)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):

@@ -12,7 +12,7 @@
 --partial-rollout: the runs at k >= 1 pause their generations for new weights and go on from the
 tokens they have (trainer.partial_rollout), so a long response is not held to old weights.
 
---seeds: one run per (k, seed) of the demo as it is (its own response length unless
+--seeds: one run per (k, seed) of the demo with the key=value overrides (its own response length unless
 --response-length is given), each seed setting trainer.seed, actor_rollout_ref.rollout.seed and
 actor_rollout_ref.actor.megatron.seed (the model's initialisation); the held-out set is the same
 for every run (data.seed is kept). It prints every run's held-out score (val/score/mean after the
