@@ -250,6 +250,17 @@ def destroy_mesh():
         from megatron.core import parallel_state as ps
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        # groups destroy_model_parallel leaves referenced (megatron-core 0.16's parallel_state.py):
+        # each would keep its gloo threads alive
+        for name, empty in (("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", None),
+                            ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", None),
+                            ("_HYBRID_DP_CP_GROUPS", {})):
+            if hasattr(ps, name):
+                setattr(ps, name, empty)
+    rope = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if rope is not None and hasattr(rope.RotaryEmbedding.forward, "cache_clear"):
+        # an lru_cache on the method: it keeps its last 32 modules (and their CP group) alive
+        rope.RotaryEmbedding.forward.cache_clear()
     if "torch.distributed.tensor" in sys.modules:
         # DTensor caches sharding results by mesh *value*: a later mesh over the same ranks
         # (a new layout in this process: tests) would reuse outputs naming destroyed groups

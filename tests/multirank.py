@@ -72,9 +72,31 @@ def _reset_model_parallel():
     from parallel.mesh import destroy_mesh
     destroy_mesh()  # every group of the last call, with its gloo threads
     gc.collect()
+    release_wrappers()
+    gc.collect()
     # what survives (imports, caches: ~500k objects) stays for the session: frozen, the next
     # call's collections (this one, return_to_device's per phase) skip it, ~0.3 s CPU each
     gc.freeze()
+
+
+def release_wrappers():
+    """Empty every Megatron DDP wrapper the last call left behind. DDP hooks each parameter's
+    gradient accumulator with a closure over the wrapper (megatron/core/distributed/
+    distributed_data_parallel.py, `_make_backward_post_hook`); the accumulator is a C++ autograd
+    node, so the collector cannot see that cycle and the model outlives the call, with its
+    process groups and their gloo threads, each waking every 10 ms while idle
+    (gloo/transport/tcp/loop.cc): ~16 threads a rank per MoE layout. Emptying the wrapper drops
+    the model and its groups; the wrapper shell itself stays (a few hundred bytes)."""
+    import gc
+    import sys
+    ddp = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if ddp is None:
+        return 0
+    # by type: isinstance reads __class__, which warns on torch's deprecated aliases
+    wrappers = [o for o in gc.get_objects() if issubclass(type(o), ddp.DistributedDataParallel)]
+    for w in wrappers:
+        w.__dict__.clear()
+    return len(wrappers)
 
 
 class _Pool:

@@ -83,6 +83,42 @@ def test_a_layout_leaves_no_process_groups_or_threads_behind():
         assert threads_after <= threads + 2, (threads, threads_after)
 
 
+def _gloo_threads():
+    return sum("gloo_tcp_loop" in open(f"/proc/self/task/{t}/comm").read()
+               for t in os.listdir("/proc/self/task"))
+
+
+def _build_moe_model_and_step():
+    """What a layout test leaves: a MoE model under EP 2 in Megatron's DDP, one forward (the
+    rotary cache) and backward (the DDP hooks). Returns this rank's gloo loop threads."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from engine.models.builder import build_model
+    from parallel.mesh import Layout, init_mesh
+    from tests.tiny_models import tiny_config
+    init_mesh(Layout(ep=2), seed=1)
+    hf = tiny_config("qwen2_moe")
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    chunk = build_model(hf)[0]
+    model = DistributedDataParallel(chunk.config, cfg, chunk)
+    ids = torch.randint(0, hf.vocab_size, (2, 8))
+    model(ids, torch.arange(8).expand_as(ids), None).float().sum().backward()
+    return _gloo_threads()
+
+
+def test_the_harness_releases_a_calls_models_and_their_groups():
+    # Megatron's DDP hooks (a cycle through C++ autograd nodes) and RotaryEmbedding.forward's
+    # lru_cache kept every call's model and process groups alive: ~16 gloo threads a rank per
+    # MoE call, each waking every 10 ms for the rest of the session
+    run_on_ranks(_build_moe_model_and_step, 2)
+    before = run_on_ranks(_gloo_threads, 2)
+    for _ in range(3):
+        during = run_on_ranks(_build_moe_model_and_step, 2)
+    after = run_on_ranks(_gloo_threads, 2)
+    assert all(d > a for d, a in zip(during, after)), (during, after)  # the call had groups
+    assert after == before, (before, after)
+
+
 RENDEZVOUS_PROBE = r"""
 import os, sys, time
 from datetime import timedelta
