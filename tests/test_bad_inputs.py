@@ -29,6 +29,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -71,13 +73,15 @@ class Fixtures:
     def __init__(self, root):
         self.root = root
         self.built = {}
+        self.lock = threading.RLock()  # cases run two at a time (CaseRunner); a fixture once
 
     def path(self, name):
-        if name not in self.built:
-            target = os.path.join(self.root, name)
-            getattr(self, f"_make_{name}")(target)
-            self.built[name] = target
-        return self.built[name]
+        with self.lock:
+            if name not in self.built:
+                target = os.path.join(self.root, name)
+                getattr(self, f"_make_{name}")(target)
+                self.built[name] = target
+            return self.built[name]
 
     def _make_tokenizer(self, target):
         from engine.tasks import save_tokenizer
@@ -198,9 +202,35 @@ def _params():
     return params
 
 
-@pytest.mark.parametrize("case", _params())
-def test_bad_input(case, fixtures, tmp_path):
-    case_dir = str(tmp_path / "case")
+class CaseRunner:
+    """Runs the session's selected cases ahead of their tests, two at a time in corpus order (a
+    torchrun case, two ranks, alone): each case is one short subprocess, mostly a single
+    process's imports, so one at a time left a core idle. A test waits for its case's result."""
+
+    def __init__(self, cases, fixtures, tmp_path_factory):
+        self.fixtures, self.tmp = fixtures, tmp_path_factory
+        self.free, self.cond = 2, threading.Condition()
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.futures = {c["id"]: self.pool.submit(self._run, c) for c in cases}
+
+    def result(self, case):
+        return self.futures[case["id"]].result()
+
+    def _run(self, case):
+        cores = 2 if case["cmd"][0] == "torchrun" else 1
+        with self.cond:
+            self.cond.wait_for(lambda: self.free >= cores)
+            self.free -= cores
+        try:
+            return run_case(case, self.fixtures, str(self.tmp.mktemp("case") / "case"))
+        finally:
+            with self.cond:
+                self.free += cores
+                self.cond.notify_all()
+
+
+def run_case(case, fixtures, case_dir):
+    """(cmd, finished process, listing before, listing after) of one case run in `case_dir`."""
     os.makedirs(case_dir)
     for rel, spec in (case.get("files") or {}).items():
         _create(case_dir, rel, spec, fixtures)
@@ -210,6 +240,22 @@ def test_bad_input(case, fixtures, tmp_path):
     env = _env({k: _expand(v, case_dir, fixtures) for k, v in (case.get("env") or {}).items()})
     proc = subprocess.run(cmd, cwd=case_dir, env=env, capture_output=True, text=True,
                           timeout=case.get("timeout", 300))
+    return cmd, proc, before, _listing(case_dir)
+
+
+@pytest.fixture(scope="session")
+def runner(request, fixtures, tmp_path_factory):
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_bad_input"]
+    runner = CaseRunner(selected, fixtures, tmp_path_factory)
+    yield runner
+    runner.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_bad_input(case, runner):
+    cmd, proc, before, after = runner.result(case)
+    entry = case["cmd"][0]
     report = f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
     assert proc.returncode == case.get("exit", 2), report
@@ -227,7 +273,7 @@ def test_bad_input(case, fixtures, tmp_path):
         assert "ChildFailedError" in proc.stderr and line in proc.stderr.split("Root Cause")[-1], report
     else:
         assert "Traceback" not in proc.stderr, report
-    new = _listing(case_dir) - before
+    new = after - before
     allowed = {os.path.normpath(p) for p in case.get("allow_new", [])}
     assert {p for p in new if not any(p == a or p.startswith(a + os.sep) for a in allowed)} == set(), \
         f"left behind: {sorted(new)}\n{report}"
