@@ -16,11 +16,11 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 # The suite CI runs: everything but the tests marked slow. Measured whole from a clean clone on
-# this 2-core machine, 1241 tests: 14:49, 17:31, 19:19 on three runs of the same tree (the
-# machine drifts: kernel time 329 -> 421 -> 501 s run over run); 19:44 and 19:56 before
-# engine/lazy_imports.py raised the collector's young-generation threshold. Two pytest-xdist
-# workers were tried and were slower (21:57): the multi-rank tests already fill both cores, and
-# oversubscribed gloo ranks run 2-4x slower.
+# this 2-core machine, 1242 tests: 14:23 and 14:09; the tree before (61312b8) 16:37 back to back,
+# its kernel time 391 s against 156-161 s: the test pool's workers kept every call's process
+# groups, and gloo's idle threads woke every 10 ms (tests/multirank.release_wrappers). Two
+# pytest-xdist workers were tried and were slower (21:57): the multi-rank tests already fill both
+# cores, and oversubscribed gloo ranks run 2-4x slower.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
