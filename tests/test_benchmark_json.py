@@ -191,5 +191,7 @@ def test_pool_seeds_json_reports_each_runs_held_out_score(tmp_path):
         assert row["mean"] == pytest.approx(sum(scores) / 2)
         assert row["spread"] == pytest.approx(max(scores) - min(scores))
         assert row["mean_within_baseline_range"] == (base["min"] <= row["mean"] <= base["max"])
+        assert row["mean_vs_baseline_range"] == ("within" if row["mean_within_baseline_range"] else
+                                                 "below" if row["mean"] < base["min"] else "above")
         assert row["stale_samples"] == 0
     assert base["mean_within_baseline_range"] and base["staleness_max"] == 0 and off["staleness_max"] == 1

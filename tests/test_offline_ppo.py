@@ -3,7 +3,8 @@ gloo ranks, against the on-policy path: the step's responses are logged with the
 policy's own log-probs as the behaviour policy's, and the offline step then makes the same
 update bit for bit; with another behaviour policy the truncated IS weights are capped at
 rollout_is_threshold and enter the policy loss (its value checked against the formula); with
-IcePop's band the tokens outside it leave the loss."""
+IcePop's band the tokens outside it leave the loss; in bypass mode PPO's ratio is taken against
+the logged policy."""
 import math
 import os
 
@@ -203,6 +204,39 @@ def test_icepop_masks_the_tokens_outside_its_band_and_trains(logged):
         assert any(not torch.equal(w0[k], w1[k]) for k in w0) and any(not torch.equal(w1[k], w2[k]) for k in w1)
         assert all(math.isfinite(r["metrics"][1][k]) for k in ("actor/pg_loss", "rollout_corr/mismatch_kl",
                                                                "rollout_corr/rollout_rs_masked_fraction"))
+
+
+def test_bypass_mode_clips_against_the_rollout_policy(logged):
+    """bypass_mode=true on the shifted log with token rejection (band [0.5, 2]): the even positions
+    (pi_old / mu = e^1.5) leave the loss as before; the odd ones train with PPO's ratio taken
+    against mu, pi / mu = e^0.25 at the update's only mini-batch (pi = pi_old there), which is past
+    the clip 1 + 0.2: -1.2 A where A > 0 (clipped), -e^0.25 A where A < 0 (below the dual clip 3).
+    The decoupled run (pi / pi_old = 1) gives -A instead."""
+    tmp, online = logged
+    run_on_ranks(_shifted, 2, str(tmp))
+    band = ["algorithm.rollout_correction.rollout_rs=token",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"]
+    bypass = run_on_ranks(_offline, 2, str(tmp), f"{tmp}/shifted.parquet",
+                          "algorithm.rollout_correction.bypass_mode=true", *band)
+    mask = torch.cat([r["mask"] for r in online]).bool()
+    adv = torch.cat([r["advantages"] for r in online]).double()
+    kept = mask.clone()
+    kept[:, 0::2] = False
+    r = math.exp(0.25)
+    losses = torch.maximum(-adv * r, -adv * min(max(r, 0.8), 1.2))  # PPO's clipped term, then dual clip
+    losses = torch.where(adv < 0, torch.minimum(losses, -adv * 3.0), losses)
+    m = bypass[0]["metrics"]
+    assert m["actor/pg_loss"] == pytest.approx(float(losses[kept].sum() / kept.sum()), abs=1e-5)
+    assert m["actor/pg_clipfrac"] == pytest.approx(float((kept & (adv > 0)).sum() / kept.sum()), abs=1e-6)
+    assert m["actor/pg_clipfrac"] > 0
+    # pi_old's pass still ran: the rejection and the mismatch metrics are its ratios to mu
+    assert "timing_s/old_log_prob" in m
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(float((mask & ~kept).sum() / mask.sum()))
+    shift = torch.where(kept, 0.25, 1.5).double()
+    assert m["rollout_corr/mismatch_kl"] == pytest.approx(float(-shift[mask].sum() / mask.sum()), rel=1e-5)
+    decoupled = run_on_ranks(_offline, 2, str(tmp), f"{tmp}/shifted.parquet", *band)
+    assert decoupled[0]["metrics"]["actor/pg_loss"] == pytest.approx(float(-adv[kept].sum() / kept.sum()), abs=1e-5)
+    assert decoupled[0]["metrics"]["actor/pg_clipfrac"] == 0.0
 
 
 def _offline_steps(tmp, path, *extra):

@@ -212,6 +212,10 @@ def test_every_key_acts():
     assert plan_of(_rc(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.25_4")).rs_level == "sequence"
     assert (plan_of(_rc(rollout_rs="token_k1", rollout_rs_threshold="0.25_4")).rs_lower,) == (0.25,)
     assert not plan_of(_rc()).active and plan_of(_rc(rollout_token_veto_threshold=1e-3)).masks
+    bypass = plan_of(load_config(DEMO, [P + "bypass_mode=true", P + "rollout_rs=token",
+                                        P + "rollout_rs_threshold=2"]).algorithm.rollout_correction)
+    assert bypass == CorrectionPlan(rs_level="token", rs_lower=0.5, rs_upper=2.0, bypass=True)
+    assert plan_of(_rc(bypass_mode=True)).active  # it needs the pass and the rollout's log-probs
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -227,9 +231,9 @@ def test_every_key_acts():
     ([P + "rollout_is_batch_normalize=true"], "rollout_is_batch_normalize=True: read only with rollout_is"),
     ([P + "rollout_is=token", P + "rollout_is_threshold_lower=1.5"], "rollout_is_threshold_lower=1.5: must be"),
     ([P + "rollout_token_veto_threshold=1.5"], "rollout_token_veto_threshold=1.5: must be in (0, 1)"),
-    ([P + "bypass_mode=true"], "bypass_mode=True: the old log-probs are always recomputed"),
+    ([P + "bypass_mode=true", P + "rollout_is=token"], "rollout_is='token': bypass_mode=true takes PPO's ratio"),
     ([P + "use_policy_gradient=true"], "use_policy_gradient=True: PPO's clipped loss trains"),
-    ([P + "loss_type=reinforce"], "loss_type='reinforce': read by verl in bypass mode only"),
+    ([P + "loss_type=reinforce"], "loss_type='reinforce': PPO's clipped loss trains, in bypass mode too"),
     (["trainer.task=dpo", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae",
       "actor_rollout_ref.actor.use_kl_loss=false", P + "rollout_rs=token", P + "rollout_rs_threshold=2"],
      "rollout_rs='token': a PPO key"),

@@ -23,6 +23,14 @@ and rho^L = exp(that) (bounded to exp(+-20) where it is exponentiated). Then
 IcePop (token-level masked IS) is rollout_is=token with rollout_rs=token and an IS threshold at
 or above the rejection's upper bound: w_t = rho_t on [lower, upper], the token masked outside.
 
+Bypass mode (bypass_mode=true, verl's name): PPO's ratio is pi / mu, the rollout policy's
+log-probs standing for the old ones in the policy loss, so its clip bounds how far the update
+moves each token from the policy that sampled it, staleness included (a separate pool at
+trainer.off_policy_steps=k: a token the k updates since its rollout already pushed past 1 + eps
+gets no more gradient). The old-log-prob pass still runs: pi_old gives the mismatch metrics, the
+rejection and veto ratios (which act as above) and the in-reward KL. Truncated IS is refused
+with it: pi / mu already weighs each token by the whole mismatch.
+
 The weight multiplies the advantages: it is positive and detached, and PPO's clipped term is
 positively homogeneous in the advantage (max(-A w r, -A w clip(r)) = w max(-A r, -A clip(r)),
 likewise the dual clip), so weighting the advantages weights the policy loss exactly, whatever
@@ -79,6 +87,7 @@ class CorrectionPlan:
     rs_lower: float = 0.0
     rs_upper: float = math.inf
     veto: Optional[float] = None
+    bypass: bool = False
 
     @property
     def masks(self) -> bool:
@@ -86,7 +95,8 @@ class CorrectionPlan:
 
     @property
     def active(self) -> bool:
-        return self.is_level is not None or self.masks
+        """It needs the rollout's log-probs and an old-log-prob pass."""
+        return self.is_level is not None or self.masks or self.bypass
 
 
 def _bad(key, value, fix):
@@ -135,6 +145,10 @@ def plan_of(rc) -> CorrectionPlan:
     is_level, rs_name, veto = rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold
     if is_level is not None and is_level not in LEVELS:
         raise _bad("rollout_is", is_level, f"use one of {', '.join(LEVELS)}, or null")
+    if rc.bypass_mode and is_level is not None:
+        raise _bad("rollout_is", is_level, "bypass_mode=true takes PPO's ratio against the rollout policy "
+                   "(pi / mu), which already weighs each token by the whole mismatch: remove rollout_is "
+                   "(rejection and the veto still act) or set bypass_mode=false")
     if is_level is None:
         for key, default in (("rollout_is_threshold", 2.0), ("rollout_is_threshold_lower", None),
                              ("rollout_is_batch_normalize", False)):
@@ -165,7 +179,7 @@ def plan_of(rc) -> CorrectionPlan:
         raise _bad("rollout_token_veto_threshold", veto, "must be in (0, 1) (e.g. 1e-4); or null for no veto")
     return CorrectionPlan(is_level, upper, None if lower is None else float(lower),
                           bool(rc.rollout_is_batch_normalize), rs_level, rs_lower, rs_upper,
-                          None if veto is None else float(veto))
+                          None if veto is None else float(veto), rc.bypass_mode)
 
 
 def _identity(t):

@@ -2,9 +2,8 @@
 has the formulas; engine/config/validate_experience.py refuses a key that cannot act, through
 correction.plan_of).
 
-verl's keys without a field here (engine/config/verl.py answers for them): bypass_mode and
-use_policy_gradient (the old log-probs are always recomputed and PPO's clipped loss trains:
-accepted at false), loss_type (accepted at ppo_clip).
+verl's keys without a field here (engine/config/verl.py answers for them): use_policy_gradient
+(PPO's clipped loss trains: accepted at false), loss_type (accepted at ppo_clip).
 
 Tests: tests/test_rollout_correction.py, tests/test_config_keys.py
 """
@@ -29,3 +28,6 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: Any = None              # upper bound, or verl's "lower_upper" (0.5_2.0)
     rollout_rs_threshold_lower: Optional[float] = None  # null: from "lower_upper", else 1 / upper
     rollout_token_veto_threshold: Optional[float] = None  # a row with a token ratio below: dropped
+    # PPO's ratio and clip against the rollout policy (pi / mu) instead of the recomputed pi_old:
+    # a token the updates since its rollout already moved past the clip gets no more gradient
+    bypass_mode: bool = False

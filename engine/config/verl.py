@@ -127,17 +127,13 @@ KEYS: dict[str, VerlKey] = {
         fix=f"each engine's context is {ROLLOUT}.prompt_length + response_length (data.max_prompt_length + "
             "max_response_length by default); remove it and set those"),
     # verl's rollout-correction switches that pick another loss or skip the old-log-prob pass
-    f"{CORRECTION}.bypass_mode": VerlKey(
-        same=(False,), note="the old log-probs are recomputed by the actor (decoupled mode), as false asks",
-        fix="the old log-probs are always recomputed here (decoupled mode: the correction weighs "
-            "pi_old / pi_rollout); remove it"),
     f"{CORRECTION}.use_policy_gradient": VerlKey(
         same=(False,), note="PPO's clipped loss trains, as false asks",
         fix="PPO's clipped loss trains (actor_rollout_ref.actor.policy_loss picks another); remove it"),
     f"{CORRECTION}.loss_type": VerlKey(
         same=("ppo_clip",), note="PPO's clipped loss trains, as ppo_clip asks",
-        fix="read by verl in bypass mode only, which is not here; PPO's clipped loss trains "
-            "(actor_rollout_ref.actor.policy_loss picks another); remove it"),
+        fix="PPO's clipped loss trains, in bypass mode too (actor_rollout_ref.actor.policy_loss "
+            "picks another); remove it"),
     # verl's DAPO recipes switch the penalty's logging; Trident always logs it
     "reward_model.overlong_buffer.log": VerlKey(
         same=ANY, note="the overlong penalty is always logged (reward_extra/overlong_reward/mean, "

@@ -47,7 +47,8 @@ class LoggedDataset(PromptDataset):
         if need_log_probs and not self.has_log_probs:
             raise ValueError(f"algorithm.rollout_correction is set but data.offline_path={path!r} "
                              f"has no {LOG_PROB_COLUMN!r} column (the behaviour policy's token log-probs); "
-                             "log them, or set its rollout_is / rollout_rs / rollout_token_veto_threshold to null")
+                             "log them, or set its rollout_is / rollout_rs / rollout_token_veto_threshold to null "
+                             "(and bypass_mode to false)")
         prompt_rows = []
         for key in order:
             first = groups[key][0][1]

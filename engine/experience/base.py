@@ -49,8 +49,12 @@ class Source:
     def after_advantages(self, ctx, batch):
         """Rollout correction (algorithm.rollout_correction, engine/algorithms/correction.py): the
         advantages x the truncated IS weight; the tokens rejection sampling or the veto leave out
-        as `policy_keep` (the trainer's policy update reads it). Its metrics on every batch with
-        rollout and old log-probs, a correction configured or not."""
+        as `policy_keep` (the trainer's policy update reads it); in bypass mode the rollout's
+        log-probs become the policy loss's old ones. Its metrics on every batch with rollout and
+        old log-probs, a correction configured or not."""
+        if self.correction.bypass and "rollout_log_probs" not in batch:
+            raise ValueError("algorithm.rollout_correction.bypass_mode=true: this step's responses came "
+                             "without the rollout policy's log-probs; log them or set bypass_mode=false")
         if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
             return {}
         weights, keep, metrics = rollout_correction(
@@ -60,6 +64,8 @@ class Source:
             batch["advantages"] = batch["advantages"] * weights
         if self.correction.masks:
             batch["policy_keep"] = keep
+        if self.correction.bypass:  # after the ratios above, which pi_old gives
+            batch["old_log_probs"] = batch["rollout_log_probs"]
         return metrics
 
     def validate(self, ctx, prompt_ids):
