@@ -14,15 +14,11 @@ What it changes, and why:
   optimizer checks parameter types by their CUDA type strings;
 - TE-only symbols that megatron imports optimistically are set to "absent";
 - `DeviceMesh.from_group(group, "cuda")` (Megatron's TorchFullyShardedDataParallel names the
-  device literally) builds a CPU mesh;
-- glibc's allocator keeps freed blocks instead of handing them back to the kernel
-  (`keep_freed_memory`): a step allocates and frees the same activation sizes every micro-batch.
+  device literally) builds a CPU mesh.
 
 Tests: tests/test_cpu_compat.py, tests/test_layouts.py
 """
 import contextlib
-import ctypes
-import ctypes.util
 import importlib
 
 import torch
@@ -217,26 +213,6 @@ def suspended():
         torch._C._push_on_torch_function_stack(top)
 
 
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_freed_memory(mmap_threshold=256 << 20, trim_threshold=1 << 30) -> bool:
-    """Serve blocks below `mmap_threshold` bytes from the heap and keep up to `trim_threshold`
-    freed bytes there. By default glibc maps each large block (an activation, a gradient) anew and
-    unmaps it when freed, so every micro-batch pays the kernel to zero and fault in the same pages
-    again (tests/test_cpu_compat.py counts the faults: 7k-20k pages for five passes of a small
-    model, 0-1.7k with this). On the 3m benchmark workload a step took 1.32 / 1.22 s before and
-    1.02 / 1.00 s after, interleaved runs. The process keeps its peak instead (the peak it
-    reached anyway). False where the C library has no mallopt (not glibc)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
 def enable():
     """Make megatron-core usable on CPU for the rest of this process. Idempotent."""
     global _ENABLED, _MODE
@@ -249,7 +225,6 @@ def enable():
     _install_rng_tracker()
     _disable_absent_te()
     _patch_device_mesh()
-    keep_freed_memory()
     _MODE = _CudaToCpu()
     _MODE.__enter__()
     _ENABLED = True

@@ -24,7 +24,7 @@ from datetime import timedelta
 DEFAULT_TIMEOUT_S = float(os.environ.get("TRIDENT_TEST_TIMEOUT", "240"))
 
 
-def free_port():
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,7 +103,7 @@ class _Pool:
     def __init__(self, world_size):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        port = free_port()
+        port = _free_port()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outboxes = [ctx.Queue() for _ in range(world_size)]
         # Not daemons: megatron's checkpoint writer starts processes of its own, which daemonic
