@@ -33,3 +33,29 @@ def test_threads_share_the_nodes_cores_among_all_launched_processes():
     assert threads_per_process({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}, 16) == 4  # per node
     assert threads_per_process({"WORLD_SIZE": "2"}, 8) == 4  # launched without torchrun's variable
     assert threads_per_process({}, 2) == 2 and threads_per_process({"WORLD_SIZE": "4"}, 2) == 1
+
+
+def _mode_during_forward():
+    from megatron.core import parallel_state as ps
+
+    from parallel.mesh import Layout, init_mesh
+    from tests.test_checkpoint import make_actor
+    from tests.test_ppo_update import make_batch
+
+    init_mesh(Layout(), seed=1)
+    actor = make_actor()
+    seen = []
+    actor.chunks[0].register_forward_pre_hook(lambda *a: seen.append(torch._C._len_torch_function_stack()))
+    batch = make_batch(actor.hf_config.vocab_size, seed=0)
+    actor.compute_log_prob(batch.index_select([0, 1]), micro_batch_size=2)
+    assert ps.get_data_parallel_world_size() == 1
+    return seen, torch._C._len_torch_function_stack(), torch.zeros(1, device="cuda").device.type
+
+
+def test_the_models_forward_runs_without_the_device_rewrite():
+    """The function mode is a Python call on every torch op (~5 % of a small model's forward
+    here, tools/benchmark.py's 3m shapes); Megatron's model forward names no CUDA device on the
+    CPU (every layout's tests run it so), so engine/workers/base.py lifts the mode around it and
+    the mode is back afterwards, for the schedule and the backward."""
+    seen, after, device = run_on_ranks(_mode_during_forward, 1)[0]
+    assert seen == [0] and after >= 1 and device == "cpu"
