@@ -78,6 +78,23 @@ def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
         assert report["cpu_ratios"][phase] == (pytest.approx(seconds / ours) if ours > 0 else None)
 
 
+def test_rounds_report_the_median_of_each_ratio():
+    """--rounds: each phase's median over the rounds (three worked by hand), the step's too; a
+    round without a ratio for a phase (Trident's time 0) leaves it out."""
+    from tools.bench_step import median_ratios
+    rounds = [{"ratios": {"gen": 1.0, "ref": 0.5, "update_weights": None}, "speedup_vs_transformers": 0.8,
+               "cpu_ratios": {"gen": 1.1, "ref": 0.6, "update_weights": None}, "cpu_speedup_vs_transformers": 0.9},
+              {"ratios": {"gen": 0.7, "ref": 0.9, "update_weights": None}, "speedup_vs_transformers": 0.7,
+               "cpu_ratios": {"gen": 0.8, "ref": 0.9, "update_weights": None}, "cpu_speedup_vs_transformers": 0.85},
+              {"ratios": {"gen": 0.9, "ref": 0.6, "update_weights": None}, "speedup_vs_transformers": 1.0,
+               "cpu_ratios": {"gen": 0.95, "ref": 0.7, "update_weights": None}, "cpu_speedup_vs_transformers": 0.95}]
+    med = median_ratios(rounds)
+    assert med["ratios"] == {"gen": 0.9, "ref": 0.6, "update_weights": None, "step": 0.8}
+    assert med["cpu_ratios"] == {"gen": 0.95, "ref": 0.7, "update_weights": None, "step": 0.9}
+    assert "cpu_ratios" not in median_ratios([{k: v for k, v in r.items() if not k.startswith("cpu")}
+                                              for r in rounds])
+
+
 def test_baseline_comparison_per_phase():
     """compare_baseline on figures worked by hand: Trident's phases it has no counterpart for
     (reward, adv) fall in `other`; an on-policy step (no old_log_prob either side) lists none."""

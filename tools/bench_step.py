@@ -7,6 +7,7 @@ measurements, not a datasheet figure. `--baseline` also times a plain transforme
 the same work (generate, log-probs, reference, backward + Adam) for comparison.
 
     python tools/benchmark.py step --workload 75m --steps 3
+    python tools/benchmark.py step --workload 3m --steps 3 --baseline --rounds 3  # median of 3 pairs
 
 Tests: tests/test_benchmark_json.py
 """
@@ -76,6 +77,10 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baseline", action="store_true",
                         help="also time a plain transformers loop doing the same work")
+    parser.add_argument("--rounds", type=positive(int, "the rounds of Trident then the loop, e.g. 3"), default=1,
+                        help="with --baseline: run Trident then the loop this many times, alternating, and "
+                             "report each round's ratios and their median (a machine whose speed drifts "
+                             "over minutes moves a single pair's ratio)")
     parser.add_argument("--overlap", action="store_true",
                         help="run with Megatron's overlap switches off and on, side by side, and "
                              "report the time blocked in collectives per phase")
@@ -191,6 +196,9 @@ def check(args):
                          "nor a recipe file; pick one of those or give a recipe path")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup} must be >= 0")
+    if args.rounds > 1 and not args.baseline:
+        raise UsageError(f"--rounds {args.rounds} alternates Trident with the plain loop: add --baseline "
+                         "or drop --rounds")
     recipe, base = WORKLOADS.get(args.workload, (args.workload, []))
     load_config(recipe, base + list(args.overrides) + [f"trainer.n_gpus_per_node={args.nproc}"])
 
@@ -207,10 +215,48 @@ def run(args):
         summary["overlap"] = compare_overlap(recipe, overrides, args)
     if args.baseline:
         from tools.bench_baseline import run_baseline
-        base = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
-        summary.update(compare_baseline(summary, base))
+        rounds = []
+        for r in range(args.rounds):
+            ours = summary
+            if r:  # Trident again, right before this round's loop
+                with tempfile.TemporaryDirectory() as tmp:
+                    ours = summarise(run_trainer(recipe, overrides, args.nproc, args.warmup + args.steps, tmp)[0],
+                                     args.warmup)
+            base = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
+            rounds.append(compare_baseline(ours, base))
+        summary.update(rounds[0])
         print_comparison(summary)
+        if args.rounds > 1:
+            summary.update(rounds=[{k: r[k] for k in ("ratios", "cpu_ratios", "speedup_vs_transformers",
+                                                      "cpu_speedup_vs_transformers") if k in r} for r in rounds],
+                           median_ratios=median_ratios(rounds))
+            print_rounds(summary)
     return summary
+
+
+def median_ratios(rounds) -> dict:
+    """Per phase (and "step"), the median over rounds of each ratio kind (wall, cpu), None where
+    no round has one."""
+    out = {}
+    for kind, step_key in (("ratios", "speedup_vs_transformers"), ("cpu_ratios", "cpu_speedup_vs_transformers")):
+        if not all(kind in r for r in rounds):
+            continue
+        table = {p: [r[kind][p] for r in rounds if r[kind].get(p) is not None] for p in rounds[0][kind]}
+        table["step"] = [r[step_key] for r in rounds]
+        out[kind] = {p: statistics.median(v) if v else None for p, v in table.items()}
+    return out
+
+
+def print_rounds(summary):
+    """One line per round (step ratios), then every phase's median ratio."""
+    show = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
+    print(f"\n{len(summary['rounds'])} rounds (Trident, then the loop), step ratio wall / cpu: "
+          + ", ".join(f"{show(r['speedup_vs_transformers'])} / {show(r.get('cpu_speedup_vs_transformers'))}"
+                      for r in summary["rounds"]))
+    med = summary["median_ratios"]
+    print(f"{'median':<16}" + "".join(f"{p:>16}" for p in med["ratios"]))
+    for kind in med:
+        print(f"{kind:<16}" + "".join(f"{show(v):>16}" for v in med[kind].values()))
 
 
 # the phases both sides time; Trident's other phases (reward, adv, ...) fall in "other"
