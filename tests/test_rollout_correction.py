@@ -237,8 +237,23 @@ def test_every_key_acts():
     (["trainer.task=dpo", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae",
       "actor_rollout_ref.actor.use_kl_loss=false", P + "rollout_rs=token", P + "rollout_rs_threshold=2"],
      "rollout_rs='token': a PPO key"),
+    (["trainer.task=dpo", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=gae",
+      "actor_rollout_ref.actor.use_kl_loss=false", P + "bypass_mode=true"], "bypass_mode=True: a PPO key"),
 ])
 def test_keys_that_cannot_act_are_refused(overrides, match):
     with pytest.raises(ConfigError) as info:
         load_config(DEMO, overrides)
     assert match in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bypass_without_the_rollouts_log_probs_stops_the_step():
+    """A source whose responses lack the behaviour policy's log-probs cannot be trained against
+    them: bypass_mode is refused at that step (a logged dataset without the column is refused
+    earlier, at load), never silently trained against pi_old."""
+    from engine.experience.base import Source
+    cfg = load_config(DEMO, [P + "bypass_mode=true"])
+    batch = Batch(dict(old_log_probs=torch.zeros(2, 3), response_mask=torch.ones(2, 3),
+                       advantages=torch.ones(2, 3)))
+    with pytest.raises(ValueError, match="bypass_mode=true: this step's responses came without"):
+        Source(cfg).after_advantages(None, batch)
+    assert Source(load_config(DEMO, [])).after_advantages(None, batch) == {}  # decoupled: nothing to do

@@ -247,16 +247,19 @@ def median_ratios(rounds) -> dict:
     return out
 
 
+def show_ratio(r):
+    return "-" if r is None else f"{r:.2f}x"
+
+
 def print_rounds(summary):
     """One line per round (step ratios), then every phase's median ratio."""
-    show = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     print(f"\n{len(summary['rounds'])} rounds (Trident, then the loop), step ratio wall / cpu: "
-          + ", ".join(f"{show(r['speedup_vs_transformers'])} / {show(r.get('cpu_speedup_vs_transformers'))}"
+          + ", ".join(f"{show_ratio(r['speedup_vs_transformers'])} / {show_ratio(r.get('cpu_speedup_vs_transformers'))}"
                       for r in summary["rounds"]))
     med = summary["median_ratios"]
     print(f"{'median':<16}" + "".join(f"{p:>16}" for p in med["ratios"]))
     for kind in med:
-        print(f"{kind:<16}" + "".join(f"{show(v):>16}" for v in med[kind].values()))
+        print(f"{kind:<16}" + "".join(f"{show_ratio(v):>16}" for v in med[kind].values()))
 
 
 # the phases both sides time; Trident's other phases (reward, adv, ...) fall in "other"
@@ -299,16 +302,15 @@ def print_comparison(summary):
     print(f"\n{'phase':<16}{'trident (s)':>12}{'baseline (s)':>14}{'ratio':>8}"
           + (f"{'cpu trident':>13}{'cpu baseline':>14}{'cpu ratio':>10}" if cpu else "")
           + "   (ratio: baseline / Trident seconds, > 1: Trident faster)")
-    show = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
     for p in base:
-        row = f"{p:<16}{ours[p]:12.3f}{base[p]:14.3f}{show(summary['ratios'][p]):>8}"
+        row = f"{p:<16}{ours[p]:12.3f}{base[p]:14.3f}{show_ratio(summary['ratios'][p]):>8}"
         if cpu:
             row += (f"{summary['compared_cpu_phases_s'][p]:13.3f}"
-                    f"{summary['baseline']['cpu_phases_s'][p]:14.3f}{show(summary['cpu_ratios'][p]):>10}")
+                    f"{summary['baseline']['cpu_phases_s'][p]:14.3f}{show_ratio(summary['cpu_ratios'][p]):>10}")
         print(row)
     row = (f"{'step':<16}{summary['step_s']:12.3f}{summary['baseline_step_s']:14.3f}"
-           f"{show(summary['speedup_vs_transformers']):>8}")
+           f"{show_ratio(summary['speedup_vs_transformers']):>8}")
     if cpu:
         row += (f"{summary['cpu_step_s']:13.3f}{summary['baseline']['cpu_step_s']:14.3f}"
-                f"{show(summary['cpu_speedup_vs_transformers']):>10}")
+                f"{show_ratio(summary['cpu_speedup_vs_transformers']):>10}")
     print(row)

@@ -36,6 +36,7 @@ def validate_experience(cfg: TridentConfig) -> None:
                           ("reward_model.token_level", cfg.reward_model.token_level is not None),
                           *((f"algorithm.rollout_correction.{k}", getattr(rc, k) is not None)
                             for k in ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")),
+                          ("algorithm.rollout_correction.bypass_mode", rc.bypass_mode),
                           ("algorithm.replay.enable", cfg.algorithm.replay.enable),
                           ("algorithm.filter_groups.enable", cfg.algorithm.filter_groups.enable),
                           ("trainer.balance_batch", cfg.trainer.balance_batch)):

@@ -28,7 +28,7 @@ from engine.workers.finite import all_finite
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
 from parallel import fsdp
-from parallel.cpu import suspended as model_forward_mode
+from parallel.cpu import suspended as cpu_function_mode_suspended
 from parallel.offload import Offloader, model_grads, model_params, optimizer_tensors
 from parallel.packing import (cp_all_gather, cp_gather, cp_index, cp_localize, pack, round_up,
                               row_bounds)
@@ -370,7 +370,7 @@ class MegatronWorker:
                 position_ids = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
             # on the CPU, without parallel.cpu's function mode (a Python call per op): the
             # model's forward names no CUDA device; the schedule around it does
-            with model_forward_mode():
+            with cpu_function_mode_suspended():
                 out = model(mb.tokens, position_ids, None, packed_seq_params=mb.packed_params)
             if self.router_replay:
                 replay_in_backward(model)
