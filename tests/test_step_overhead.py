@@ -70,3 +70,61 @@ def test_packed_attention_reads_the_packing_once_per_micro_batch():
     fresh = dataclasses.replace(packed(other))
     torch.testing.assert_close(attention(q, k, v, packed_seq_params=fresh),
                                _reference(q, k, v, other, 1 / math.sqrt(8)))
+
+
+def _inner_adam_groups(distributed):
+    """The fused / foreach flags of the torch optimizer(s) inside a real ActorWorker's Megatron
+    optimizer (one rank), plain or distributed."""
+    from engine.workers.actor import ActorWorker
+    from parallel.mesh import Layout, init_mesh
+    from tests.test_ppo_update import make_configs
+    from tests.tiny_models import tiny_config
+
+    init_mesh(Layout(), seed=1)
+    actor_cfg, _, model_cfg = make_configs()
+    actor_cfg = dataclasses.replace(actor_cfg, megatron=dataclasses.replace(
+        actor_cfg.megatron, use_distributed_optimizer=distributed))
+    worker = ActorWorker(tiny_config("llama"), actor_cfg, model_cfg, total_steps=2)
+    opt = worker.optimizer
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    return [(type(o).__name__, g["fused"], g["foreach"]) for o in inner for g in o.param_groups]
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_megatrons_torch_adam_runs_the_fused_kernel(distributed):
+    from tests.multirank import run_on_ranks
+    (groups,) = run_on_ranks(_inner_adam_groups, 1, distributed)
+    assert groups and all(g[1:] == (True, False) for g in groups), groups
+
+
+def test_the_fused_adamw_step_is_the_per_parameter_loops():
+    """use_fused_adam changes the kernel, not the update: three AdamW steps (weight decay,
+    bias correction) match torch's per-parameter loop to float rounding."""
+    from engine.workers.fused_adam import use_fused_adam
+
+    class Wrapper:  # what use_fused_adam reads of a Megatron optimizer: its torch `optimizer`
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    runs = []
+    for fuse in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+        if fuse:
+            assert use_fused_adam(Wrapper(opt)) == 1
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(params)
+    assert all(g["fused"] for g in opt.param_groups)
+    for a, b in zip(*runs):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a - b).abs().max()
+    moved = max(float((a - s).abs().max()) for a, s in zip(runs[1], start))
+    assert moved > 1e-2  # the steps did move the parameters
+    # an optimizer that already holds state keeps its kernel (its step counters are on the host)
+    assert use_fused_adam(Wrapper(opt)) == 0

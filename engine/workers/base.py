@@ -25,6 +25,7 @@ from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
 from engine.workers.finite import all_finite
+from engine.workers.fused_adam import use_fused_adam
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
 from parallel import fsdp
@@ -268,6 +269,7 @@ class MegatronWorker:
             overlap_param_gather=m.overlap_param_gather and distributed)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks,
                                                 use_gloo_process_groups=False)
+        use_fused_adam(self.optimizer)
         warmup = optim_cfg.lr_warmup_steps
         if warmup is None or warmup < 0:
             warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
