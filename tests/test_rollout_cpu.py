@@ -161,6 +161,33 @@ def test_left_padding_matches_one_at_a_time(rollout):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_the_samples_of_a_prompt_share_its_prefill(llama, rollout, monkeypatch):
+    """n samples of a prompt: the prefill runs once per distinct prompt (its KV cache and
+    next-token logits copied to the prompt's rows) and the answer is the one of prefilling
+    every row: the same tokens, the same log-probs; a continued row (prompt + its own tokens)
+    gets its own prefill."""
+    import engine.rollout.cpu as cpu
+    sampling = SamplingParams(n=4, temperature=1.2, max_new_tokens=8, seed=5)
+    batch_rows = []
+    hook = rollout.model.register_forward_pre_hook(
+        lambda module, args, kwargs: batch_rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        shared = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
+        assert batch_rows[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # 3 distinct prompts of 16 rows
+        assert all(shape == (16, 1) for shape in batch_rows[1:])
+        monkeypatch.setattr(cpu, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+        batch_rows.clear()
+        every = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
+        assert batch_rows[0][0] == 16
+    finally:
+        hook.remove()
+    assert shared.responses == every.responses
+    assert len({tuple(r) for r in shared.responses[:4]}) > 1  # still n draws, not one copied
+    assert shared.responses[:4] != shared.responses[12:]  # the same prompt under its own key
+    for a, b in zip(shared.log_probs, every.log_probs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
+
+
 def test_weight_name_shape_and_completeness_errors(llama):
     rollout = CPURollout(llama.config, eos_token_ids=[EOS])
     state = llama.state_dict()

@@ -133,10 +133,34 @@ def _preallocated_cache(config, capacity: int):
             self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
             return self.keys, self.values
 
+        def reorder_cache(self, beam_idx):
+            # rows picked (and repeated) along the batch into buffers of the same capacity
+            if not self.is_initialized:
+                return
+            index = beam_idx.to(self._k.device)
+            k, v = self._k, self._v
+            self._k = k.new_empty(len(index), *k.shape[1:])
+            self._v = v.new_empty(len(index), *v.shape[1:])
+            self._k[:, :, :self._len] = k[:, :, :self._len].index_select(0, index)
+            self._v[:, :, :self._len] = v[:, :, :self._len].index_select(0, index)
+            self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
+
     cache = DynamicCache(config=config)
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
     return cache
+
+
+def _distinct_rows(rows):
+    """([the first row of each distinct token list], [each row's index into that list])."""
+    seen, firsts, inverse = {}, [], []
+    for r, tokens in enumerate(rows):
+        key = tuple(tokens)
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(r)
+        inverse.append(seen[key])
+    return firsts, inverse
 
 
 @register_rollout("cpu")
@@ -435,10 +459,21 @@ class CPURollout(RolloutEngine):
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
         cache = _preallocated_cache(self.model.config, width + steps)
         paused = False
+        firsts, inverse = _distinct_rows(rows_prompts)
         with recording as record:
-            logits = self._forward(input_ids, attention_mask, position_ids, cache)
-            if record:
-                record(rows, width)
+            if record or len(firsts) == rows:
+                logits = self._forward(input_ids, attention_mask, position_ids, cache)
+                if record:
+                    record(rows, width)
+            else:
+                # the n samples of a prompt share its prefill (as SGLang's prefix cache does):
+                # each distinct prompt is run once, its KV cache and next-token logits copied to
+                # its rows
+                one = torch.tensor(firsts, device=dev)
+                logits = self._forward(input_ids[one], attention_mask[one], position_ids[one], cache)
+                every = torch.tensor(inverse, device=dev)
+                cache.reorder_cache(every)
+                logits = logits[every]
             for step in range(steps):
                 scaled = logits / temperature
                 if sampling.greedy:
