@@ -128,3 +128,45 @@ def test_the_fused_adamw_step_is_the_per_parameter_loops():
     assert moved > 1e-2  # the steps did move the parameters
     # an optimizer that already holds state keeps its kernel (its step counters are on the host)
     assert use_fused_adam(Wrapper(opt)) == 0
+
+
+def _mlp_pair():
+    """Megatron's MLP and GatedMLP with the same weights, on one rank: outputs and gradients."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from engine.models.builder import decoder_block_spec
+    from engine.models.local_modules import GatedMLP
+    from parallel.mesh import Layout, init_mesh
+
+    init_mesh(Layout(), seed=1)
+    config = TransformerConfig(num_layers=1, hidden_size=16, ffn_hidden_size=24, num_attention_heads=2,
+                               gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               add_bias_linear=False, use_cpu_initialization=True)
+    subs = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    torch.manual_seed(0)
+    ours, theirs = GatedMLP(config, subs), MLP(config, subs)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 2, 16)
+    results = []
+    for mlp in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        out, bias = mlp(xi)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), bias, xi.grad, [p.grad for p in mlp.parameters()]))
+    layer = decoder_block_spec(config, use_te=False).layer_specs[0]
+    return results, layer.submodules.mlp.module is GatedMLP
+
+
+def test_the_gated_mlp_is_megatrons_swiglu_mlp():
+    """GatedMLP (one autograd function for SwiGLU) against Megatron's MLP on the same weights:
+    the same output and the same input and weight gradients; the local spec builds it."""
+    from tests.multirank import run_on_ranks
+    ((ours, theirs), swapped), = run_on_ranks(_mlp_pair, 1)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
+    assert ours[1] is None and theirs[1] is None
+    torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours[3], theirs[3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert swapped

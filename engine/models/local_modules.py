@@ -2,7 +2,8 @@
 
 Megatron's local spec lacks two things Trident needs when TE is absent (CPU, or a GPU without
 TE): a norm that works with sequence parallelism, and a core attention that accepts separate
-key/value head sizes (MLA). These are plain torch; TE's fused versions replace them when present.
+key/value head sizes (MLA). It also runs SwiGLU as separate ops (`GatedMLP` fuses their
+backward). These are plain torch; TE's fused versions replace them when present.
 
 Tests: tests/test_fusions.py, tests/test_layouts.py
 """
@@ -11,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
 
 
 class Norm(torch.nn.Module):
@@ -42,6 +44,50 @@ class Norm(torch.nn.Module):
             return self.weight * y.to(x.dtype)
         y = F.layer_norm(xf, xf.shape[-1:], None, None, self.eps).to(x.dtype)
         return y * self.weight + self.bias
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of fc1's output [..., 2F] = [gate | up] (each TP rank's own halves).
+
+    The backward writes both halves' gradients into one tensor: Megatron's unfused path splits
+    with chunk, adds glu_linear_offset (0) to `up`, and its backward concatenates the halves
+    again (an extra pass and copy of the widest activation)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        gate, up = x.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(x, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, act = ctx.saved_tensors
+        gate, up = x.chunk(2, dim=-1)
+        dx = torch.empty_like(x)
+        d_gate, d_up = dx.chunk(2, dim=-1)
+        torch.mul(grad, act, out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return dx
+
+
+class GatedMLP(MLP):
+    """Megatron's MLP; with SwiGLU, no bias-activation fusion, no clamp or offset (the local
+    spec's case), the activation is `SwiGLU`, else Megatron's own forward runs."""
+
+    def _plain_swiglu(self):
+        c = self.config
+        return (c.gated_linear_unit and c.activation_func is F.silu and not c.use_te_activation_func
+                and not c.bias_activation_fusion and c.activation_func_clamp_value is None
+                and not c.glu_linear_offset)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None or not self._plain_swiglu():
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        hidden, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            hidden = hidden + bias
+        return self.linear_fc2(SwiGLU.apply(hidden))
 
 
 class CoreAttention(torch.nn.Module):
