@@ -13,6 +13,9 @@ What it changes, and why:
 - `Tensor.type()` with no argument answers the `torch.cuda.*` name, since the distributed
   optimizer checks parameter types by their CUDA type strings;
 - TE-only symbols that megatron imports optimistically are set to "absent";
+- apex's `fused_weight_gradient_mlp_cuda` (gradient_accumulation_fusion) gets a CPU stand-in: a
+  linear layer's weight gradient is added straight into the DDP buffer's main_grad by one addmm
+  (no weight-sized temporary, no separate add pass);
 - `DeviceMesh.from_group(group, "cuda")` (Megatron's TorchFullyShardedDataParallel names the
   device literally) builds a CPU mesh.
 
@@ -193,6 +196,28 @@ def _disable_absent_te():
             pass
 
 
+class _WgradAccumulate:
+    """apex's fused_weight_gradient_mlp_cuda for CPU tensors: main_grad += grad_output^T input
+    (Megatron's LinearWithGradAccumulationAndAsyncCommunication.backward calls it with 2-D
+    `total_input` [tokens, in] and `grad_output` [tokens, out], main_grad [out, in])."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == grad_output.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:  # bf16 / fp16 activations into an fp32 buffer
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _provide_wgrad_accumulation():
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    if not getattr(layers, "_grad_accum_fusion_available", False):
+        layers.fused_weight_gradient_mlp_cuda = _WgradAccumulate
+        layers._grad_accum_fusion_available = True
+
+
 @contextlib.contextmanager
 def suspended():
     """A block without the device-rewriting function mode (a no-op when CPU mode is off).
@@ -226,6 +251,7 @@ def enable():
     _patch_tensor_type()
     _install_rng_tracker()
     _disable_absent_te()
+    _provide_wgrad_accumulation()
     _patch_device_mesh()
     _MODE = _CudaToCpu()
     _MODE.__enter__()

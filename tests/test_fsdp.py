@@ -248,6 +248,8 @@ def test_the_planner_divides_a_fully_sharded_model_over_dp():
     (["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.ref.megatron.param_offload=false"],
      f"{A}.strategy", "LoRA adapters train under strategy megatron"),
     (["critic.megatron.overlap_param_gather=true"], "critic.megatron.overlap_param_gather", "FSDP overlaps"),
+    ([f"{A}.megatron.fusions={{gradient_accumulation_fusion: true}}"],
+     f"{A}.megatron.fusions.gradient_accumulation_fusion", "no gradient buffer to accumulate into"),
 ])
 def test_what_fsdp2_does_not_run_with_is_refused_by_key(overrides, key, fix):
     from engine.config import ConfigError

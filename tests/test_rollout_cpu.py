@@ -175,7 +175,7 @@ def test_the_samples_of_a_prompt_share_its_prefill(llama, rollout, monkeypatch):
         shared = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
         assert batch_rows[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # 3 distinct prompts of 16 rows
         assert all(shape == (16, 1) for shape in batch_rows[1:])
-        monkeypatch.setattr(cpu, "_distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+        monkeypatch.setattr(cpu, "distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
         batch_rows.clear()
         every = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
         assert batch_rows[0][0] == 16

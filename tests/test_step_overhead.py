@@ -170,3 +170,37 @@ def test_the_gated_mlp_is_megatrons_swiglu_mlp():
     for a, b in zip(ours[3], theirs[3]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert swapped
+
+
+def _accumulated_wgrad():
+    """A Megatron ColumnParallelLinear with gradient_accumulation_fusion on CPU (parallel/cpu.py's
+    stand-in for apex's kernel): two backward passes into a main_grad that starts non-zero."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from parallel.mesh import Layout, init_mesh
+
+    init_mesh(Layout(), seed=1)
+    config = TransformerConfig(num_layers=1, hidden_size=6, num_attention_heads=1,
+                               gradient_accumulation_fusion=True, use_cpu_initialization=True)
+    layer = ColumnParallelLinear(6, 4, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                 gather_output=True)
+    start = torch.randn(4, 6)
+    layer.weight.main_grad = start.clone()
+    layer.weight.grad_added_to_main_grad = False  # set by Megatron's DDP on every trained parameter
+    xs = [torch.randn(3, 2, 6) for _ in range(2)]
+    gs = [torch.randn(3, 2, 4) for _ in range(2)]
+    for x, g in zip(xs, gs):
+        out, _ = layer(x)
+        out.backward(g)
+    return start, xs, gs, layer.weight.main_grad, layer.weight.grad_added_to_main_grad
+
+
+def test_cpu_gradient_accumulation_fusion_adds_into_main_grad():
+    """main_grad += grad_output^T input for every backward, written out; Megatron's flag that
+    the gradient is already in main_grad (so DDP's hook does not add it again) is set."""
+    from tests.multirank import run_on_ranks
+    (start, xs, gs, main_grad, added), = run_on_ranks(_accumulated_wgrad, 1)
+    want = start + sum(g.reshape(-1, 4).t() @ x.reshape(-1, 6) for x, g in zip(xs, gs))
+    torch.testing.assert_close(main_grad, want, rtol=1e-6, atol=1e-6)
+    assert added is True

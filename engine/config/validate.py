@@ -193,6 +193,9 @@ def _validate_strategies(cfg: TridentConfig) -> None:
             if getattr(meg, name):
                 fail(f"{m}.{name}", True, f"{where}: FSDP overlaps its own parameter all-gather and "
                      "gradient reduce-scatter with compute (forward_prefetch for the forward); remove it")
+        if (meg.fusions or {}).get("gradient_accumulation_fusion"):
+            fail(f"{m}.fusions.gradient_accumulation_fusion", True, f"{where}: fully sharded "
+                 "parameters have no gradient buffer to accumulate into; remove it")
         if trains and not meg.use_distributed_optimizer:
             fail(f"{m}.use_distributed_optimizer", False, f"{where} always shards the optimizer state "
                  "with the parameters; remove it (or use strategy megatron for a replicated optimizer)")

@@ -25,6 +25,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
 from engine.models.local_modules import CoreAttention, GatedMLP, Norm, install_fast_thd_rope
+from parallel import cpu as cpu_compat
 from parallel import fsdp
 
 
@@ -64,6 +65,7 @@ class FusionSupport:
     apex_layer_norm: bool = False  # apex's persistent layer norm (apex.contrib.layer_norm)
     softmax_kernels: bool = False  # scaled_(upper_triang_)masked_softmax_cuda
     triton: bool = False          # MLA's fused YaRN RoPE
+    cpu_wgrad: bool = False       # parallel/cpu.py's CPU stand-in for fused_weight_gradient_mlp_cuda
 
 
 def installed_fusion_support() -> FusionSupport:
@@ -79,7 +81,10 @@ def installed_fusion_support() -> FusionSupport:
 def _fusion_reasons(support: FusionSupport, model: dict) -> dict:
     """For each fusion, None if it can run with this model here, else why not."""
     if not support.cuda:
-        return {name: "needs a CUDA GPU" for name in FUSIONS}
+        reasons = {name: "needs a CUDA GPU" for name in FUSIONS}
+        if support.cpu_wgrad:
+            reasons["gradient_accumulation_fusion"] = None
+        return reasons
     act, gated = model.get("activation_func"), model.get("gated_linear_unit", False)
     bias = model.get("add_bias_linear", False)
     act_ok = (act is F.silu and gated) or (act is F.gelu and (gated or bias))
@@ -238,7 +243,8 @@ def transformer_config(arch: ArchSpec, *, params_dtype=torch.float32, sequence_p
         # Losses are sums normalised by global token counts computed by the caller, so the
         # schedule must neither average over micro-batches nor DDP over data-parallel ranks.
         calculate_per_token_loss=True,
-        **fusion_flags(support or (installed_fusion_support() if cuda else FusionSupport()),
+        **fusion_flags(support or (installed_fusion_support() if cuda else
+                                   FusionSupport(cpu_wgrad=cpu_compat.is_enabled())),
                        arch.transformer, fusions),
         moe_token_dispatcher_type="alltoall" if cuda else "allgather",
         # gloo matches point-to-point messages between two ranks in posting order; megatron's
@@ -309,11 +315,15 @@ def _set_rope_frequencies(model, arch: ArchSpec):
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 config_overrides: Optional[dict] = None,
-                fusions: Optional[dict] = None, lora=None) -> List[TridentGPTModel]:
+                fusions: Optional[dict] = None, lora=None, sharded=False) -> List[TridentGPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for the HF config given.
     `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`); `lora`: a
     engine.models.lora.LoraSpec whose adapters are attached, every other parameter frozen (so
-    Megatron's DDP and optimizer, built on these chunks afterwards, hold the adapters only)."""
+    Megatron's DDP and optimizer, built on these chunks afterwards, hold the adapters only);
+    `sharded`: the chunks will be fully sharded (parallel/fsdp.py), whose parameters have no
+    DDP main_grad buffer to accumulate weight gradients into."""
+    if sharded:
+        fusions = dict(fusions or {}, gradient_accumulation_fusion=False)
     arch = arch_spec(hf_config)
     config = transformer_config(arch, params_dtype=params_dtype,
                                 sequence_parallel=sequence_parallel,

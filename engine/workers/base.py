@@ -25,7 +25,7 @@ from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
 from engine.workers.finite import all_finite
-from engine.workers.fused_adam import use_fused_adam
+from engine.workers.fused_adam import megatron_optimizer
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
 from parallel import fsdp
@@ -187,9 +187,8 @@ class MegatronWorker:
         self.pad_token_id = pad_token_id
         self.params_dtype = DTYPES[megatron_cfg.params_dtype]
         if megatron_cfg.tp_comm_overlap:
-            raise ValueError("megatron.tp_comm_overlap=true needs TransformerEngine userbuffers, "
-                             "which Trident does not initialise yet; set tp_comm_overlap=false "
-                             "(overlap_grad_reduce / overlap_param_gather are supported)")
+            raise ValueError("megatron.tp_comm_overlap=true needs TransformerEngine userbuffers, which "
+                             "Trident does not initialise yet; set tp_comm_overlap=false")
         recompute = {}
         if megatron_cfg.recompute_granularity or model_cfg.enable_gradient_checkpointing:
             recompute = dict(recompute_granularity=megatron_cfg.recompute_granularity or "full")
@@ -200,7 +199,8 @@ class MegatronWorker:
         overrides = {"moe_enable_routing_replay": True} if router_replay else None
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype, lora=lora,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
-                                  config_overrides=overrides, fusions=megatron_cfg.fusions, **recompute)
+                                  config_overrides=overrides, fusions=megatron_cfg.fusions,
+                                  sharded=strategy != "megatron", **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
         self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
@@ -234,7 +234,7 @@ class MegatronWorker:
 
     def _setup_training(self, optim_cfg, total_steps):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         m = self.megatron_cfg
@@ -267,9 +267,7 @@ class MegatronWorker:
             bf16=self.params_dtype == torch.bfloat16, fp16=self.params_dtype == torch.float16,
             params_dtype=self.params_dtype,
             overlap_param_gather=m.overlap_param_gather and distributed)
-        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks,
-                                                use_gloo_process_groups=False)
-        use_fused_adam(self.optimizer)
+        self.optimizer = megatron_optimizer(opt_cfg, self.chunks)
         warmup = optim_cfg.lr_warmup_steps
         if warmup is None or warmup < 0:
             warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)

@@ -14,6 +14,15 @@ import torch
 FUSED_DEVICES = ("cpu", "cuda")  # where torch's _fused_adam(w)_ kernels run
 
 
+def megatron_optimizer(opt_cfg, chunks):
+    """Megatron's optimizer for the model chunks (`get_megatron_optimizer`), its torch Adam on
+    the fused kernel."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    optimizer = get_megatron_optimizer(opt_cfg, chunks, use_gloo_process_groups=False)
+    use_fused_adam(optimizer)
+    return optimizer
+
+
 def use_fused_adam(optimizer) -> int:
     """Switch every torch Adam / AdamW inside a Megatron (possibly chained) optimizer to the
     fused kernel where all its parameters are floating point on a device that has it; returns
