@@ -20,11 +20,10 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import ModuleSpec, TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
-from engine.models.local_modules import CoreAttention, GatedMLP, Norm, install_fast_thd_rope
+from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope, use_gated_mlp
 from parallel import cpu as cpu_compat
 from parallel import fsdp
 
@@ -197,13 +196,11 @@ class TridentGPTModel(GPTModel):
 
 
 def _swap_local_modules(spec):
-    """Replace the local spec's torch norm, core attention and MLP by Trident's (see local_modules)."""
+    """Replace the local spec's torch norm and core attention by Trident's (see local_modules)."""
     if spec is WrappedTorchNorm:
         return Norm
     if spec is DotProductAttention:
         return CoreAttention
-    if spec is MLP:
-        return GatedMLP
     if isinstance(spec, ModuleSpec):
         return dataclasses.replace(spec, module=_swap_local_modules(spec.module),
                                    submodules=_swap_local_modules(spec.submodules))
@@ -359,6 +356,8 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
         )
         if arch.rope_scaling:
             _set_rope_frequencies(model, arch)
+        if not use_te:
+            use_gated_mlp(model)
         model.arch = arch
         chunks.append(model)
     if lora is not None:

@@ -73,7 +73,9 @@ class SwiGLU(torch.autograd.Function):
 
 class GatedMLP(MLP):
     """Megatron's MLP; with SwiGLU, no bias-activation fusion, no clamp or offset (the local
-    spec's case), the activation is `SwiGLU`, else Megatron's own forward runs."""
+    spec's case), the activation is `SwiGLU`, else Megatron's own forward runs. Not a spec
+    entry: Megatron's layer passes the TP group only to a spec naming MLP itself, so the built
+    MLPs take this class (`use_gated_mlp`)."""
 
     def _plain_swiglu(self):
         c = self.config
@@ -88,6 +90,14 @@ class GatedMLP(MLP):
         if bias is not None:
             hidden = hidden + bias
         return self.linear_fc2(SwiGLU.apply(hidden))
+
+
+def use_gated_mlp(model):
+    """Every MLP of `model` built as Megatron's own class runs GatedMLP's forward (same
+    parameters, same state dict)."""
+    for module in model.modules():
+        if type(module) is MLP:
+            module.__class__ = GatedMLP
 
 
 class CoreAttention(torch.nn.Module):
