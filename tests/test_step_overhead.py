@@ -72,6 +72,44 @@ def test_packed_attention_reads_the_packing_once_per_micro_batch():
                                _reference(q, k, v, other, 1 / math.sqrt(8)))
 
 
+@pytest.mark.parametrize("lengths, runs", [
+    ([4, 4, 4], [True]),                   # one length: the whole packed tensor, no copy
+    ([5, 5, 3, 1], [True, True, True]),    # back-to-back runs of equal lengths
+    ([2, 6, 2], [False, True]),            # the 2s are apart: gathered
+])
+def test_packed_attention_reads_runs_of_equal_lengths_as_views(lengths, runs):
+    """q, k, v as Megatron hands them (views of one fused QKV tensor): values and gradients
+    equal causal attention written out per sequence, whether a length's sequences lie back to
+    back (a view) or apart (a gathered copy)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from engine.models import local_modules
+    from engine.models.local_modules import CoreAttention
+
+    config = type("Config", (), dict(kv_channels=8, attention_dropout=0.0))
+    attention = CoreAttention(config, 1, AttnMaskType.causal).eval()
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    t = sum(lengths)
+    mixed = torch.randn(t, (4 + 2 + 2) * 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    grad_out = torch.randn(t, 4 * 8, generator=torch.Generator().manual_seed(2))
+    results = []
+    for run in (lambda q, k, v: attention(q, k, v, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths))),
+            lambda q, k, v: _reference(q, k, v, lengths, 1 / math.sqrt(8)).reshape(t, -1)):
+        mixed.grad = None
+        q, k, v = mixed[:, :32].view(t, 4, 8), mixed[:, 32:48].view(t, 2, 8), mixed[:, 48:].view(t, 2, 8)
+        out = run(q, k, v)
+        out.backward(grad_out)
+        results.append((out.detach(), mixed.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    groups = local_modules.length_groups(params, torch.device("cpu"))
+    assert [isinstance(where, slice) for _, _, where in groups] == runs
+
+
 def _inner_adam_groups(distributed):
     """The fused / foreach flags of the torch optimizer(s) inside a real ActorWorker's Megatron
     optimizer (one rank), plain or distributed."""

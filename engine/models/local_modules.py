@@ -144,22 +144,33 @@ class CoreAttention(torch.nn.Module):
         The work is the sum of squared lengths, not the square of the packed row's length (RL
         batches pack many short sequences): sequences of equal length are gathered into one
         batched attention call (GRPO's samples of one prompt often share a length), one call
-        per distinct length."""
-        out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-        for length, count, index in _length_groups(params, query.device):
+        per distinct length. A group whose sequences lie back to back (all of them, when every
+        sequence has one length) is a view of the packed tensors, not a gathered copy."""
+        groups = length_groups(params, query.device)
+        whole = len(groups) == 1 and groups[0][2] == slice(0, query.shape[0])
+        out = None if whole else query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        for length, count, where in groups:
             # [n * L, heads, d] -> [n, heads, L, d]
-            q, k, v = (x.index_select(0, index).view(count, length, x.shape[1], x.shape[2])
-                       .transpose(1, 2) for x in (query, key, value))
+            q, k, v = ((x[where] if isinstance(where, slice) else x.index_select(0, where))
+                       .view(count, length, x.shape[1], x.shape[2]).transpose(1, 2)
+                       for x in (query, key, value))
             o = self._sdpa(q, k, v)
-            out.index_copy_(0, index, o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3]))
+            o = o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3])
+            if out is None:
+                return o.view(o.shape[0], -1)
+            if isinstance(where, slice):
+                out[where] = o
+            else:
+                out.index_copy_(0, where, o)
         return out.reshape(out.shape[0], -1)
 
 
-def _length_groups(params, device):
-    """[(length, sequences, token index on `device`)] of a packed batch, one per distinct
-    sequence length. Every layer of a micro-batch reads the same packing: it is worked out once
-    and kept on the params object (on a GPU, one host read of cu_seqlens per micro-batch
-    instead of two syncs per layer)."""
+def length_groups(params, device):
+    """[(length, sequences, where)] of a packed batch, one per distinct sequence length;
+    `where`: the group's tokens, a slice when they are one run, else a token index on `device`.
+    Every layer of a micro-batch reads the same packing: it is worked out once and kept on the
+    params object (on a GPU, one host read of cu_seqlens per micro-batch instead of two syncs
+    per layer)."""
     cached = getattr(params, "_trident_length_groups", None)
     if cached is not None and cached[0] == device:
         return cached[1]
@@ -172,6 +183,10 @@ def _length_groups(params, device):
         if length <= 0:
             continue
         first = starts[lengths == length]
+        start, stop = int(first[0]), int(first[-1]) + length
+        if stop - start == len(first) * length:  # back to back: one run of tokens
+            groups.append((length, len(first), slice(start, stop)))
+            continue
         index = (first[:, None] + torch.arange(length)).reshape(-1).to(device)
         groups.append((length, len(first), index))
     params._trident_length_groups = (device, groups)
