@@ -100,10 +100,12 @@ def _built_on_cpu():
     config = transformer_config(arch, support=EVERYTHING,
                                 fusions={"persist_layer_norm": False, "apply_rope_fusion": False})
     flags = {name: getattr(config, name) for name in FUSIONS}
-    [model] = build_model(tiny_config("qwen2"))
+    [model] = build_model(tiny_config("qwen2"), ddp_grads=True)
+    [untrained] = build_model(tiny_config("qwen2"))
     kinds = {type(m) for m in model.modules()}
     return dict(te=te_available(), flags=flags,
                 cpu_flags={n: getattr(model.config, n) for n in FUSIONS},
+                untrained_flags={n: getattr(untrained.config, n) for n in FUSIONS},
                 trident=CoreAttention in kinds and Norm in kinds,
                 megatron_local=bool(kinds & {DotProductAttention, WrappedTorchNorm}))
 
@@ -114,8 +116,10 @@ def test_transformer_config_and_local_spec_on_this_machine():
     assert res["flags"] == dict(masked_softmax_fusion=True, bias_activation_fusion=True,
                                 bias_dropout_fusion=True, apply_rope_fusion=False,
                                 gradient_accumulation_fusion=True, persist_layer_norm=False)
-    # on CPU only the weight-gradient accumulation runs fused (parallel/cpu.py's stand-in)
+    # on CPU only the weight-gradient accumulation runs fused (parallel/cpu.py's stand-in), and
+    # only for a model Megatron's DDP trains (its main_grad buffers are what it adds into)
     assert res["cpu_flags"] == {name: name == "gradient_accumulation_fusion" for name in res["cpu_flags"]}
+    assert not any(res["untrained_flags"].values())
     assert res["trident"] and not res["megatron_local"]
 
 

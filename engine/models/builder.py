@@ -312,14 +312,15 @@ def _set_rope_frequencies(model, arch: ArchSpec):
 def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_parallel=False,
                 recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                 config_overrides: Optional[dict] = None,
-                fusions: Optional[dict] = None, lora=None, sharded=False) -> List[TridentGPTModel]:
+                fusions: Optional[dict] = None, lora=None, ddp_grads=False) -> List[TridentGPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for the HF config given.
     `fusions`: the recipe's `megatron.fusions` dict (see `fusion_flags`); `lora`: a
     engine.models.lora.LoraSpec whose adapters are attached, every other parameter frozen (so
     Megatron's DDP and optimizer, built on these chunks afterwards, hold the adapters only);
-    `sharded`: the chunks will be fully sharded (parallel/fsdp.py), whose parameters have no
-    DDP main_grad buffer to accumulate weight gradients into."""
-    if sharded:
+    `ddp_grads`: the chunks will train under Megatron's DDP, whose main_grad buffers are what
+    gradient_accumulation_fusion adds weight gradients into (without them, e.g. fully sharded
+    or not trained, it is off: Megatron's backward would find no main_grad)."""
+    if not ddp_grads:
         fusions = dict(fusions or {}, gradient_accumulation_fusion=False)
     arch = arch_spec(hf_config)
     config = transformer_config(arch, params_dtype=params_dtype,

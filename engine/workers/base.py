@@ -200,7 +200,7 @@ class MegatronWorker:
         self.chunks = build_model(hf_config, head=head, params_dtype=self.params_dtype, lora=lora,
                                   sequence_parallel=bool(megatron_cfg.sequence_parallel),
                                   config_overrides=overrides, fusions=megatron_cfg.fusions,
-                                  sharded=strategy != "megatron", **recompute)
+                                  ddp_grads=optim_cfg is not None and strategy == "megatron", **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
         self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
