@@ -5,7 +5,7 @@ TE): a norm that works with sequence parallelism, and a core attention that acce
 key/value head sizes (MLA). It also runs SwiGLU as separate ops (`GatedMLP` fuses their
 backward). These are plain torch; TE's fused versions replace them when present.
 
-Tests: tests/test_fusions.py, tests/test_layouts.py
+Tests: tests/test_fusions.py, tests/test_layouts.py, tests/test_step_overhead.py
 """
 import math
 
@@ -147,7 +147,8 @@ class CoreAttention(torch.nn.Module):
         per distinct length. A group whose sequences lie back to back (all of them, when every
         sequence has one length) is a view of the packed tensors, not a gathered copy."""
         groups = length_groups(params, query.device)
-        whole = len(groups) == 1 and groups[0][2] == slice(0, query.shape[0])
+        whole = len(groups) == 1 and isinstance(groups[0][2], slice) \
+            and groups[0][2] == slice(0, query.shape[0])
         out = None if whole else query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
         for length, count, where in groups:
             # [n * L, heads, d] -> [n, heads, L, d]
