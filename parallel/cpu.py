@@ -197,9 +197,11 @@ def _disable_absent_te():
 
 
 class _WgradAccumulate:
-    """apex's fused_weight_gradient_mlp_cuda for CPU tensors: main_grad += grad_output^T input
-    (Megatron's LinearWithGradAccumulationAndAsyncCommunication.backward calls it with 2-D
-    `total_input` [tokens, in] and `grad_output` [tokens, out], main_grad [out, in])."""
+    """apex's fused_weight_gradient_mlp_cuda for CPU tensors: main_grad += grad_output^T input,
+    in place, nothing returned, as apex/csrc/megatron/fused_weight_gradient_dense.cpp's
+    wgrad_gemm_accum_fp32 / _fp16 (input, d_output, d_weight). Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication.backward (tensor_parallel/layers.py) calls it
+    with 2-D `total_input` [tokens, in], `grad_output` [tokens, out] and main_grad [out, in]."""
 
     @staticmethod
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):

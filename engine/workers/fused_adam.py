@@ -37,14 +37,12 @@ def use_fused_adam(optimizer) -> int:
         if not params or not all(p.is_floating_point() and p.device.type in FUSED_DEVICES
                                  for p in params):
             continue
-        if len({p.device for p in params}) > 1:
+        groups = inner.param_groups
+        if len({p.device for p in params}) > 1 or any(g.get("differentiable") or g.get("capturable")
+                                                        for g in groups):
             continue
-        for group in inner.param_groups:
-            if group.get("differentiable") or group.get("capturable"):
-                break
-        else:
-            for group in inner.param_groups:
-                group["fused"], group["foreach"] = True, False
-            inner.defaults["fused"], inner.defaults["foreach"] = True, False
-            switched += 1
+        for group in groups:
+            group["fused"], group["foreach"] = True, False
+        inner.defaults["fused"], inner.defaults["foreach"] = True, False
+        switched += 1
     return switched
