@@ -192,3 +192,12 @@ def _close_all():
     for pool in POOLS.values():
         pool.close()
     POOLS.clear()
+
+
+def in_fresh_process(fn, *args, timeout=DEFAULT_TIMEOUT_S):
+    """fn(*args) in a new interpreter of its own (spawned, no process group), for what is
+    process-wide and must start untouched: the C allocator's policy, resident memory."""
+    import concurrent.futures
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout)

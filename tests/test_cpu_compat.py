@@ -1,7 +1,7 @@
 """parallel.cpu: the CUDA-to-CPU function mode, and suspending it for code that runs no Megatron."""
 import torch
 
-from tests.multirank import run_on_ranks
+from tests.multirank import in_fresh_process, run_on_ranks
 
 
 def _probe():
@@ -59,3 +59,48 @@ def test_the_models_forward_runs_without_the_device_rewrite():
     the mode is back afterwards, for the schedule and the backward."""
     seen, after, device = run_on_ranks(_mode_during_forward, 1)[0]
     assert seen == [0] and after >= 1 and device == "cpu"
+
+
+def micro_batch_faults():
+    """Page faults of one training-like micro-batch: eight 4 MiB activations held at once, then
+    all freed (as a backward does); straight from glibc's malloc, which torch's CPU allocator
+    calls, so that no Python object lands between the blocks and the heap's layout is the same
+    each run."""
+    import ctypes
+    import resource
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(4 << 20) for _ in range(8)]
+    for block in blocks:
+        ctypes.memset(block, 1, 4 << 20)
+    for block in blocks:
+        libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+MICRO_BATCH_PAGES = (32 << 20) // 4096
+
+
+def _faults_of_reallocating(keep, environ):
+    """(applied, page faults of each of 12 micro-batches), in a fresh process: glibc's policy
+    is process-wide."""
+    from parallel import cpu
+
+    applied = cpu.keep_freed_memory(environ) if keep else None
+    return applied, [micro_batch_faults() for _ in range(12)]
+
+
+def test_freed_memory_stays_mapped_for_the_next_micro_batch():
+    pages = MICRO_BATCH_PAGES
+    # glibc's default: blocks above its (dynamic) mmap threshold are unmapped on free, and a free
+    # heap top above twice that threshold is trimmed: micro-batches keep faulting pages again
+    _, faults = in_fresh_process(_faults_of_reallocating, False, {})
+    assert min(faults) > 0.9 * pages, faults
+    # kept: only the first micro-batch faults its pages
+    applied, faults = in_fresh_process(_faults_of_reallocating, True, {})
+    assert applied and faults[0] > 0.9 * pages and sum(faults[1:]) < 0.01 * pages, faults
+    # a user's own allocator settings are left alone
+    applied, faults = in_fresh_process(_faults_of_reallocating, True, {"MALLOC_TRIM_THRESHOLD_": "0"})
+    assert applied is False and min(faults) > 0.9 * pages, faults
