@@ -231,11 +231,13 @@ def _cycles_run(cycles, bucket_megabytes):
             for p in params:
                 p.mul_(0.98)
         engine.to_rollout()
+        # RSS of what is held: a CPU trainer's allocator keeps freed pages for reuse (parallel/cpu.py)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         synced.append(proc_status_bytes("VmRSS"))
         out = rollout.generate(PROMPTS, SamplingParams(do_sample=False, max_new_tokens=2))
         outputs.append(out.responses)
         engine.to_training()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         released.append(proc_status_bytes("VmRSS"))
     return dict(synced=synced, released=released, outputs=outputs,
                 model_bytes=sum(4 * p.numel() for p in params) * 2)  # TP=2: the model, roughly

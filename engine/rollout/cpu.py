@@ -12,7 +12,6 @@ tests/test_device_stack.py
 from __future__ import annotations
 
 import contextlib
-import mmap
 import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -92,25 +91,6 @@ def _row_uniforms(sampling: SamplingParams, rows: list) -> torch.Tensor:
     return out
 
 
-def _weight_region(shapes: list, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Views of one anonymous mapping holding every weight (64-byte aligned), which lives as long
-    as any of them.
-
-    Releasing the weights unmaps exactly this region, as SGLang's release_memory_occupation
-    pauses only its own allocations (torch_memory_saver's region, sglang/srt/managers/
-    scheduler_update_weights_mixin.py); a process-wide malloc_trim would also hand back the
-    training's freed activations, which the next micro-batch then re-faults page by page."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    align = max(1, 64 // itemsize)
-    offsets, total = [], 0
-    for shape in shapes:
-        offsets.append(total)
-        total += -(-shape.numel() // align) * align
-    region = mmap.mmap(-1, max(1, total) * itemsize)
-    flat = torch.frombuffer(region, dtype=dtype, count=total) if total else torch.empty(0, dtype=dtype)
-    return [flat[o:o + shape.numel()].view(shape) for o, shape in zip(offsets, shapes)]
-
-
 @register_rollout("cpu")
 class CPURollout(RolloutEngine):
     """Rollout on CPU with a transformers causal LM built from ``hf_config``.
@@ -178,14 +158,10 @@ class CPURollout(RolloutEngine):
         module, attr = self._owners[key][0]
         return getattr(module, attr)
 
-    def _set_storage(self, device):
-        shapes = [self._param(key).shape for key in self._owners]
-        if torch.device(device).type == "cpu":
-            tensors = _weight_region(shapes, self.dtype)
-        else:  # "meta" on release; a GPU's caching allocator serves "cuda"
-            tensors = [torch.empty(shape, dtype=self.dtype, device=device) for shape in shapes]
-        for (key, owners), tensor in zip(self._owners.items(), tensors):
-            new = nn.Parameter(tensor, requires_grad=False)
+    def _set_storage(self, device: str):
+        for key, owners in self._owners.items():
+            old = self._param(key)
+            new = nn.Parameter(torch.empty(old.shape, dtype=self.dtype, device=device), requires_grad=False)
             for owner, owner_attr in owners:
                 setattr(owner, owner_attr, new)
 
@@ -243,13 +219,18 @@ class CPURollout(RolloutEngine):
         self._weights_ready = True
 
     def release_memory(self, tags=None) -> None:
+        """The weights' storage goes back to this process's allocator, where the training
+        phases take it (parallel/cpu.py keeps freed memory mapped, as torch's CUDA caching
+        allocator keeps freed blocks); the next resume takes pages training already touched.
+        Handing it to the OS instead (a process-wide malloc_trim) made every phase after it
+        fault its memory in again: training's activations, then the weights."""
         if tags is not None and "weights" not in tags:
             return  # the KV cache lives only inside generate()
         self._set_storage("meta")
         self._allocated = False
         self._weights_ready = False
         self._missing = set(self._slot_ids.values())
-        self._filled = {}  # the last views are gone: the weights' mapping is unmapped
+        self._filled = {}
 
     def resume_memory(self, tags=None) -> None:
         if not self._allocated and (tags is None or "weights" in tags):
