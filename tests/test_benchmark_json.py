@@ -212,3 +212,20 @@ def test_pool_seeds_json_reports_each_runs_held_out_score(tmp_path):
                                                  "below" if row["mean"] < base["min"] else "above")
         assert row["stale_samples"] == 0
     assert base["mean_within_baseline_range"] and base["staleness_max"] == 0 and off["staleness_max"] == 1
+
+
+def test_rounds_take_turns_at_running_first():
+    """--rounds pairs each Trident run with a loop run, the loop first in every other round
+    (ABBA), round 0 reusing the Trident run already made."""
+    from tools.bench_step import paired_runs
+    log = []
+
+    def runner(side):
+        def run():
+            log.append(side)
+            return f"{side}{len(log)}"
+        return run
+    pairs = paired_runs(4, "T0", runner("T"), runner("L"))
+    assert log == ["L", "L", "T", "T", "L", "L", "T"]
+    assert pairs == [("T0", "L1"), ("T3", "L2"), ("T4", "L5"), ("T7", "L6")]
+    assert paired_runs(1, "T0", runner("T"), runner("L")) == [("T0", "L8")]

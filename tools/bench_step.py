@@ -77,10 +77,10 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baseline", action="store_true",
                         help="also time a plain transformers loop doing the same work")
-    parser.add_argument("--rounds", type=positive(int, "the rounds of Trident then the loop, e.g. 3"), default=1,
-                        help="with --baseline: run Trident then the loop this many times, alternating, and "
-                             "report each round's ratios and their median (a machine whose speed drifts "
-                             "over minutes moves a single pair's ratio)")
+    parser.add_argument("--rounds", type=positive(int, "the rounds of Trident and the loop, e.g. 3"), default=1,
+                        help="with --baseline: run Trident and the loop this many times, each side first in "
+                             "every other round, and report each round's ratios and their median (a machine "
+                             "whose speed drifts over minutes moves a single pair's ratio)")
     parser.add_argument("--overlap", action="store_true",
                         help="run with Megatron's overlap switches off and on, side by side, and "
                              "report the time blocked in collectives per phase")
@@ -215,15 +215,15 @@ def run(args):
         summary["overlap"] = compare_overlap(recipe, overrides, args)
     if args.baseline:
         from tools.bench_baseline import run_baseline
-        rounds = []
-        for r in range(args.rounds):
-            ours = summary
-            if r:  # Trident again, right before this round's loop
-                with tempfile.TemporaryDirectory() as tmp:
-                    ours = summarise(run_trainer(recipe, overrides, args.nproc, args.warmup + args.steps, tmp)[0],
-                                     args.warmup)
-            base = run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps)
-            rounds.append(compare_baseline(ours, base))
+
+        def trident():
+            with tempfile.TemporaryDirectory() as tmp:
+                return summarise(run_trainer(recipe, overrides, args.nproc, args.warmup + args.steps, tmp)[0],
+                                 args.warmup)
+
+        rounds = [compare_baseline(ours, base) for ours, base in paired_runs(
+            args.rounds, summary, trident,
+            lambda: run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps))]
         summary.update(rounds[0])
         print_comparison(summary)
         if args.rounds > 1:
@@ -232,6 +232,20 @@ def run(args):
                            median_ratios=median_ratios(rounds))
             print_rounds(summary)
     return summary
+
+
+def paired_runs(rounds, first, trident, loop):
+    """[(Trident's result, the loop's)] per round; round 0 pairs `first` (Trident's run so far)
+    with a loop run after it. ABBA: odd rounds run the loop first, so a machine speeding up or
+    slowing down over the rounds favours each side in turn."""
+    pairs = []
+    for r in range(rounds):
+        if r % 2:
+            base = loop()
+            pairs.append((trident(), base))
+        else:
+            pairs.append((trident() if r else first, loop()))
+    return pairs
 
 
 def median_ratios(rounds) -> dict:
@@ -253,7 +267,7 @@ def show_ratio(r):
 
 def print_rounds(summary):
     """One line per round (step ratios), then every phase's median ratio."""
-    print(f"\n{len(summary['rounds'])} rounds (Trident, then the loop), step ratio wall / cpu: "
+    print(f"\n{len(summary['rounds'])} rounds (Trident first, then the loop first, in turn), step ratio wall / cpu: "
           + ", ".join(f"{show_ratio(r['speedup_vs_transformers'])} / {show_ratio(r.get('cpu_speedup_vs_transformers'))}"
                       for r in summary["rounds"]))
     med = summary["median_ratios"]
