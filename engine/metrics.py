@@ -15,7 +15,7 @@ Trackers (trainer.logger: [console, wandb] ...), named by trainer.project_name /
            (view: mlflow ui --backend-store-uri sqlite:///<log dir>/mlflow.db). Metric names
            keep their slashes; characters MLflow refuses become '_' ('@' becomes '_at_').
 
-Tests: tests/test_metrics.py, tests/test_loggers.py, tests/test_trainer_parts.py
+Tests: tests/test_metrics.py, tests/test_loggers.py, tests/test_trainer_parts.py, tests/test_step_context.py
 """
 import importlib.util
 import json
@@ -309,21 +309,32 @@ class MetricsLogger:
             self._jsonl = None
 
 
+def page_faults() -> int:
+    """Minor page faults of this process so far (0 where getrusage is missing)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class Timer:
     """`with Timer("gen", timings):` adds the elapsed seconds to timings["timing_s/gen"]; with
     `cpu=` a dict, also this process's CPU seconds (all its threads) to cpu["perf/cpu_s/gen"]:
     the figure other jobs on a shared machine barely move (tools/benchmark.py step compares
-    phases by both)."""
+    phases by both), and the page faults it took to cpu["perf/page_faults/gen"] (memory the
+    allocator handed back to the OS and the phase had to fault in again)."""
 
     def __init__(self, name, timings, cpu=None):
         self.key = f"timing_s/{name}"
         self.timings = timings
-        self.cpu, self.cpu_key = cpu, f"perf/cpu_s/{name}"
+        self.cpu, self.cpu_key, self.faults_key = cpu, f"perf/cpu_s/{name}", f"perf/page_faults/{name}"
         self.elapsed = 0.0
 
     def __enter__(self):
         self._start = time.perf_counter()
         self._cpu_start = time.process_time()
+        self._faults_start = page_faults() if self.cpu is not None else 0
         return self
 
     def __exit__(self, *exc):
@@ -331,6 +342,7 @@ class Timer:
         self.timings[self.key] = self.timings.get(self.key, 0.0) + self.elapsed
         if self.cpu is not None:
             self.cpu[self.cpu_key] = self.cpu.get(self.cpu_key, 0.0) + time.process_time() - self._cpu_start
+            self.cpu[self.faults_key] = self.cpu.get(self.faults_key, 0) + page_faults() - self._faults_start
         return False
 
 

@@ -76,6 +76,10 @@ def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
     for phase, seconds in cpu.items():
         ours = report["compared_cpu_phases_s"][phase]
         assert report["cpu_ratios"][phase] == (pytest.approx(seconds / ours) if ours > 0 else None)
+    # page faults per phase, both sides (rank 0): a step's are at least any one phase's
+    for faults in (report["page_faults"], base["page_faults"]):
+        assert {"gen", "ref", "update_actor", "step"} <= set(faults)
+        assert all(n >= 0 for n in faults.values()) and faults["step"] >= max(faults.values())
 
 
 def test_rounds_report_the_median_of_each_ratio():
@@ -123,6 +127,9 @@ def test_baseline_comparison_per_phase():
     assert out["cpu_ratios"] == pytest.approx({"gen": 2.0, "ref": 0.5, "update_actor": 1.5,
                                                "update_weights": 0.0, "other": 2.5})
     assert out["cpu_speedup_vs_transformers"] == pytest.approx(3.0 / 2.2)
+    assert "page_faults" not in out["baseline"]
+    base.update({"faults/gen": 7, "faults/ref": 0, "faults/step": 9})  # the loop's own names, unprefixed
+    assert compare_baseline(summary, base)["baseline"]["page_faults"] == {"gen": 7, "ref": 0, "step": 9}
 
 
 def test_kernels_json_checksums_match_a_log_softmax_computed_here(tmp_path):

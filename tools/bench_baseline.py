@@ -25,6 +25,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     import transformers
 
     from engine.config import derive, load_config
+    from engine.metrics import page_faults
     from engine.tasks import make_builtin_task
     from engine.loading import load_hf_config
 
@@ -47,18 +48,19 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     on_policy = d.step.reuse_old_log_prob  # decided once, as the trainer's (engine/config/steps.py)
     times = []
     for step in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, f0 = time.perf_counter(), time.process_time(), page_faults()
         phases = {}
-        clock = [t0, c0]
+        clock = [t0, c0, f0]
 
-        def lap(name):  # wall and CPU seconds since the last lap, under a Trident phase name
-            now, cpu = time.perf_counter(), time.process_time()
+        def lap(name):  # wall / CPU seconds and page faults since the last lap, under a Trident phase name
+            now, cpu, faults = time.perf_counter(), time.process_time(), page_faults()
             phases[name] = phases.get(name, 0.0) + now - clock[0]
             phases["cpu/" + name] = phases.get("cpu/" + name, 0.0) + cpu - clock[1]
-            clock[:] = now, cpu
+            phases["faults/" + name] = phases.get("faults/" + name, 0) + faults - clock[2]
+            clock[:] = now, cpu, faults
 
         def skip():  # bookkeeping in no phase
-            clock[:] = time.perf_counter(), time.process_time()
+            clock[:] = time.perf_counter(), time.process_time(), page_faults()
         batch = [tok.apply_chat_template(rows[(step * 64 + i) % len(rows)]["prompt"],
                                          tokenize=True)["input_ids"]
                  for i in range(prompts_per_rank)]
@@ -104,14 +106,15 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
             opt.step()
         lap("update_actor")
         phases["step"], phases["cpu/step"] = time.perf_counter() - t0, time.process_time() - c0
+        phases["faults/step"] = page_faults() - f0
         times.append(phases)
     out.put((rank, times))
 
 
 def run_baseline(recipe, overrides, nproc, steps):
-    """{"step": s, phase: s, ..., "cpu/step": s, "cpu/<phase>": s}: per step the slowest rank's
-    wall (and CPU) seconds of each phase, then the median over the steps after the first
-    (warm-up) one."""
+    """{"step": s, phase: s, ..., "cpu/step": s, "cpu/<phase>": s, "faults/<phase>": n}: per step
+    the slowest rank's wall (and CPU) seconds of each phase, rank 0's page faults, then the
+    median over the steps after the first (warm-up) one."""
     import multiprocessing as mp
     import statistics
 
@@ -125,5 +128,6 @@ def run_baseline(recipe, overrides, nproc, steps):
     for p in procs:
         p.join()
     measured = range(1, steps) if steps > 1 else range(steps)
-    return {name: statistics.median(max(results[r][s][name] for r in results) for s in measured)
-            for name in results[0][0]}
+    def per_step(name, s):
+        return results[0][s][name] if name.startswith("faults/") else max(results[r][s][name] for r in results)
+    return {name: statistics.median(per_step(name, s) for s in measured) for name in results[0][0]}

@@ -124,6 +124,9 @@ def summarise(records, warmup):
     # CPU seconds of rank 0's process per phase: barely moved by other jobs on a shared machine
     out["cpu_step_s"] = med("perf/cpu_s/step")
     out["cpu_phases_s"] = {p: med(f"perf/cpu_s/{p}") for p in PHASES if med(f"perf/cpu_s/{p}") is not None}
+    # page faults of rank 0's process per phase: memory handed back to the OS and faulted in again
+    out["page_faults"] = {p: med(f"perf/page_faults/{p}") for p in PHASES + ("step",)
+                          if med(f"perf/page_faults/{p}") is not None}
     out["comm_s"] = {p: med(f"perf/comm_s/{p}") for p in PHASES + ("other",)
                      if med(f"perf/comm_s/{p}") is not None}
     return out
@@ -171,6 +174,8 @@ def print_table(name, summary, per_step=None):
     total = sum(summary["phases_s"].values()) or 1.0
     print("phases: " + ", ".join(f"{k} {v:.2f}s ({100 * v / total:.0f}%)"
                                  for k, v in summary["phases_s"].items()))
+    if summary.get("page_faults"):
+        print("page faults (rank 0): " + ", ".join(f"{k} {v:.0f}" for k, v in summary["page_faults"].items()))
 
 
 def _describe(recipe, overrides):
@@ -308,11 +313,15 @@ def compare_baseline(summary, base):
         out["baseline"].update(cpu_step_s=cpu_base["step"], cpu_phases_s=phases)
         out.update(cpu_ratios=ratios, compared_cpu_phases_s=trident,
                    cpu_speedup_vs_transformers=cpu_base["step"] / summary["cpu_step_s"])
+    faults = {k[7:]: v for k, v in base.items() if k.startswith("faults/")}
+    if faults:
+        out["baseline"]["page_faults"] = faults
     return out
 
 
 def print_comparison(summary):
     base, ours, cpu = summary["baseline"]["phases_s"], summary["compared_phases_s"], "cpu_ratios" in summary
+    faults, base_faults = summary.get("page_faults", {}), summary["baseline"].get("page_faults", {})
     print(f"\n{'phase':<16}{'trident (s)':>12}{'baseline (s)':>14}{'ratio':>8}"
           + (f"{'cpu trident':>13}{'cpu baseline':>14}{'cpu ratio':>10}" if cpu else "")
           + "   (ratio: baseline / Trident seconds, > 1: Trident faster)")
@@ -328,3 +337,7 @@ def print_comparison(summary):
         row += (f"{summary['cpu_step_s']:13.3f}{summary['baseline']['cpu_step_s']:14.3f}"
                 f"{show_ratio(summary['cpu_speedup_vs_transformers']):>10}")
     print(row)
+    if faults and base_faults:
+        print("page faults per step (rank 0), trident / loop: " + ", ".join(
+            f"{p} {faults.get(p, 0):.0f} / {base_faults.get(p, 0):.0f}" for p in list(base) + ["step"]
+            if p != "other"))
