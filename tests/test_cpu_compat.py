@@ -1,4 +1,7 @@
-"""parallel.cpu: the CUDA-to-CPU function mode, and suspending it for code that runs no Megatron."""
+"""parallel.cpu: the CUDA-to-CPU function mode, suspending it for code that runs no Megatron, and
+the C allocator keeping freed memory for the next micro-batch."""
+import resource
+
 import torch
 
 from tests.multirank import in_fresh_process, run_on_ranks
@@ -67,7 +70,6 @@ def micro_batch_faults():
     calls, so that no Python object lands between the blocks and the heap's layout is the same
     each run."""
     import ctypes
-    import resource
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
@@ -80,7 +82,7 @@ def micro_batch_faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-MICRO_BATCH_PAGES = (32 << 20) // 4096
+MICRO_BATCH_PAGES = (32 << 20) // resource.getpagesize()
 
 
 def _faults_of_reallocating(keep, environ):

@@ -1,6 +1,7 @@
 """CPU rollout backend against independent references: a plain no-cache argmax loop on the
 transformers model, teacher-forced log_softmax(logits / T), the router's own logits."""
 import os
+import resource
 
 import psutil
 import pytest
@@ -245,8 +246,6 @@ def _memory_across_rollout_cycles():
     """In a process keeping freed memory as a CPU trainer does (parallel/cpu.py), per cycle of
     the rollout (resume, load, generate, release) then a training micro-batch: (page faults
     of the resume and load, of the micro-batch, RSS MiB after it); and the weights' MiB."""
-    import resource
-
     from parallel.cpu import keep_freed_memory
     from tests.test_cpu_compat import micro_batch_faults
 
@@ -279,7 +278,7 @@ def test_released_weights_and_trainings_memory_take_turns_without_faulting_pages
     # of the 3m benchmark, per rank)
     figures, weight_mib = in_fresh_process(_memory_across_rollout_cycles)
     print(f"\nweights {weight_mib:.1f} MiB; per cycle (faults loading, faults of a micro-batch, RSS MiB): {figures}")
-    weight_pages, steady = weight_mib * 2**20 / 4096, figures[2:]
+    weight_pages, steady = weight_mib * 2**20 / resource.getpagesize(), figures[2:]
     assert figures[0][0] > 0.5 * weight_pages  # the first load does fault its pages in
     assert max(loaded for loaded, _, _ in steady) < 0.1 * weight_pages, figures
     assert max(micro for _, micro, _ in steady) < 0.1 * MICRO_BATCH_PAGES, figures
