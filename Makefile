@@ -100,12 +100,12 @@ GPU_PY = $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 gpu-check:
 	PYTHON=$(GPU_PY) bash tools/gpu_check.sh
 
-# Wheels of what a bare GPU machine lacks (megatron-core; pytest and pytest-timeout for the gpu
-# tests, each under its own timeout), for its Python (PYVER), into .whl/, which gpu-check installs
-# with --no-deps. Run where PyPI is reachable; carry .whl/ along.
+# Wheels of what the GPU machine lacks (megatron-core), for its Python (PYVER), into .whl/, which
+# gpu-check installs with --no-deps. Its image has pytest and pytest-timeout; a machine without
+# them: GPU_WHEELS="megatron-core==0.16.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+# pygments==2.21.0 pytest-timeout==2.4.0". Run where PyPI is reachable; carry .whl/ along.
 PYVER ?= 3.12
-GPU_WHEELS ?= megatron-core==0.16.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \
-	pytest-timeout==2.4.0
+GPU_WHEELS ?= megatron-core==0.16.1
 gpu-wheels:
 	python3 -m pip download --no-deps --only-binary=:all: --python-version $(PYVER) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

@@ -179,3 +179,18 @@ def test_probs_diff_is_the_largest_masked_probability_gap():
 def torch_tensor(rows):
     import torch
     return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_pytest_step_runs_with_pytest_timeout_installed(tmp_path):
+    """The script's pytest step with pytest-timeout installed (as on the GPU machine's image and
+    in .venv): every gpu test is collected and skips here, and the step passes. Naming the
+    plugin with -p as well as its entry point made pytest refuse to start on the device."""
+    pytest.importorskip("pytest_timeout")
+    out = tmp_path / "out"
+    env = dict(os.environ, GPU_CHECK_CPU="1", GPU_CHECK_STEPS="pytest", GPU_CHECK_OUT=str(out),
+               GPU_CHECK_CKPT=str(tmp_path / "ckpt"), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = (out / "pytest.log").read_text() if (out / "pytest.log").exists() else ""
+    checks = {c["check"]: c for c in json.loads((out / "report.json").read_text())["checks"]}
+    assert proc.returncode == 0 and not any(c["status"] == "fail" for c in checks.values()), log[-3000:]
+    assert any(name.startswith("pytest ") and c["status"] == "skipped" for name, c in checks.items())

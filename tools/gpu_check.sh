@@ -95,8 +95,10 @@ has() {
 step env "$PY" tools/gpu_report.py env "$OUT/env.json"
 
 if has megatron.core; then
+    # pytest-timeout registers itself through its entry point (from .whl/ too: pip writes its
+    # dist-info there); naming it again with -p registers it twice, which pytest refuses
     per_test=()
-    if has pytest_timeout; then per_test=(-p pytest_timeout --timeout "$TEST_TIMEOUT"); fi
+    if has pytest_timeout; then per_test=(--timeout "$TEST_TIMEOUT"); fi
     # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
     step pytest "$PY" -m pytest -m gpu $GPU_TESTS -q -rs -p no:cacheprovider "${per_test[@]}" \
         --junitxml "$OUT/pytest.xml"

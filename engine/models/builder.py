@@ -364,4 +364,15 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     if lora is not None:
         from engine.models.lora import add_adapters
         add_adapters(chunks, lora, hf_config)
+    device = torch.device("cpu") if config.use_cpu_initialization else \
+        torch.device("cuda", torch.cuda.current_device())
+    stray = tensors_off_device(chunks, device)
+    if stray:  # a module that allocates on its own: caught here, not at its first forward
+        raise RuntimeError(f"built on the wrong device (expected {device}): {', '.join(stray[:5])}")
     return chunks
+
+
+def tensors_off_device(chunks, device) -> List[str]:
+    """Names of the parameters and buffers of `chunks` that are not on `device`."""
+    return [f"chunk {i} {name} on {t.device}" for i, c in enumerate(chunks)
+            for name, t in [*c.named_parameters(), *c.named_buffers()] if t.device != device]

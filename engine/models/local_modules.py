@@ -30,9 +30,12 @@ class Norm(torch.nn.Module):
             raise ValueError(f"normalization={config.normalization!r} is not supported; "
                              "use RMSNorm or LayerNorm")
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.bias = None if self.rms else torch.nn.Parameter(
-            torch.zeros(hidden_size, dtype=config.params_dtype))
+        # where Megatron's own layers put theirs (megatron/core/tensor_parallel/layers.py): a
+        # model no DDP buffer takes over (the reference) runs with its parameters where built
+        kw = dict(dtype=config.params_dtype,
+                  device=None if config.use_cpu_initialization else torch.cuda.current_device())
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, **kw))
         for p in self.parameters():
             setattr(p, "sequence_parallel", bool(config.sequence_parallel))
 
