@@ -112,6 +112,27 @@ def test_report_statuses(tmp_path):
     assert report["summary"] == {"pass": 3, "fail": 3, "skipped": 2}
 
 
+def test_a_killed_pytest_step_still_reports_each_finished_test(tmp_path):
+    """A step killed at its limit writes no junit XML: pytest -v's lines name what finished."""
+    import gpu_report
+
+    (tmp_path / "steps.txt").write_text("pytest 124 280 280\n")
+    (tmp_path / "pytest.log").write_text(
+        "tests/test_kernels_logprob.py::test_cuda_matches_naive[triton-dtype0] PASSED    [  4%]\n"
+        "tests/gpu/test_context_parallel.py::test_cp2_logits_equal_single_rank SKIPPED (needs 2 GPUs) [  8%]\n"
+        "tests/gpu/test_fsdp_gpu.py::test_fsdp2_update[float32-1e-05] FAILED     [ 12%]\n"
+        "tests/gpu/test_fsdp_gpu.py::test_fsdp2_update[bfloat16-0.02] \n")
+    assert gpu_report.report(str(tmp_path)) == 1
+    status = {c["check"]: (c["status"], c["detail"]) for c in
+              json.loads((tmp_path / "report.json").read_text())["checks"]}
+    assert status["pytest test_kernels_logprob::test_cuda_matches_naive[triton-dtype0]"][0] == "pass"
+    assert status["pytest test_context_parallel::test_cp2_logits_equal_single_rank"][0] == "skipped"
+    assert "needs 2 GPUs" in status["pytest test_context_parallel::test_cp2_logits_equal_single_rank"][1]
+    assert status["pytest test_fsdp_gpu::test_fsdp2_update[float32-1e-05]"][0] == "fail"
+    assert status["pytest"] == ("fail", "timed out after 280s")
+    assert len(status) == 4  # the unfinished test is not reported
+
+
 @pytest.mark.parametrize("diffs, ok, says", [
     ([0.02, 0.05], True, "rollout_probs_diff_max 0.05 < 0.1"),
     ([0.02, 0.4], False, "rollout and trainer disagree"),

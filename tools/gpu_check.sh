@@ -32,11 +32,11 @@ OUT="${GPU_CHECK_OUT:-gpu-check}"
 CKPT="${GPU_CHECK_CKPT:-gpu-check-ckpt}"
 STEPS="${GPU_CHECK_STEPS:-env pytest grpo benchmark}"
 read -r -a GRPO_ARGS <<< "${GPU_CHECK_GRPO_ARGS:-}"
-GPU_TESTS="tests/gpu tests/test_kernels_logprob.py"  # every file with a gpu-marked test
+GPU_TESTS="tests/test_kernels_logprob.py tests/gpu"  # every file with a gpu-marked test, quick ones first
 BUDGET=510          # seconds for the steps: with the report (20 s + kill), under 9 minutes
 KILL_AFTER=5        # seconds a timed-out command gets after SIGTERM before SIGKILL
-TEST_TIMEOUT=60     # seconds per gpu test (pytest-timeout)
-STEP_TIMEOUTS="env=20 pytest=150 grpo=120 benchmark=150"  # seconds, each cut to what is left
+TEST_TIMEOUT=120    # seconds per gpu test (pytest-timeout): a spawned one starts CUDA per rank, twice
+STEP_TIMEOUTS="env=20 pytest=280 grpo=100 benchmark=110"  # seconds, each cut to what is left
 START=$(date +%s)
 
 if [[ "${GPU_CHECK_CPU:-0}" != 1 ]] && ! timeout -k "$KILL_AFTER" 20 "$PY" -c \
@@ -100,7 +100,7 @@ if has megatron.core; then
     per_test=()
     if has pytest_timeout; then per_test=(--timeout "$TEST_TIMEOUT"); fi
     # shellcheck disable=SC2086  # GPU_TESTS is a list of paths
-    step pytest "$PY" -m pytest -m gpu $GPU_TESTS -q -rs -p no:cacheprovider "${per_test[@]}" \
+    step pytest "$PY" -m pytest -m gpu $GPU_TESTS -v -rs -p no:cacheprovider "${per_test[@]}" \
         --junitxml "$OUT/pytest.xml"
     rollout=hf  # SGLang where it can serve here (engine/rollout/registry.py decides), else transformers
     if timeout -k "$KILL_AFTER" 30 "$PY" -c \

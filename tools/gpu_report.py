@@ -11,6 +11,7 @@ Tests: tests/test_gpu_check.py
 import importlib.util
 import json
 import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -46,10 +47,29 @@ def _tail(out_dir, name, lines=3):
         return " | ".join(line.strip() for line in f.read().splitlines()[-lines:])
 
 
+# pytest -v's line per finished test: what remains of a step killed before its junit XML
+VERBOSE_LINE = re.compile(r"^\S*?(\w+)\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED)(?: \((.*)\))?")
+VERBOSE_STATUS = {"PASSED": "pass", "FAILED": "fail", "ERROR": "fail", "SKIPPED": "skipped"}
+
+
+def _pytest_log_checks(out_dir):
+    path = os.path.join(out_dir, "pytest.log")
+    if not os.path.exists(path):
+        return []
+    checks = []
+    for line in open(path, errors="replace"):
+        m = VERBOSE_LINE.match(line)
+        if m:
+            module, test, status, why = m.groups()
+            checks.append(dict(check=f"pytest {module}::{test}", status=VERBOSE_STATUS[status],
+                               detail=(why or "") + " (from pytest.log: the step ended before its report)"))
+    return checks
+
+
 def _pytest_checks(out_dir):
     path = os.path.join(out_dir, "pytest.xml")
     if not os.path.exists(path):
-        return []
+        return _pytest_log_checks(out_dir)
     checks = []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = f"pytest {case.get('classname', '').split('.')[-1]}::{case.get('name')}"
