@@ -124,8 +124,9 @@ def _loss_data(h, w, labels, temperature, seed=1):
     gen = torch.Generator().manual_seed(seed)
     n = labels.numel()
     lp = naive_logprob_entropy(h.float(), w.float(), labels, temperature)[0].reshape(-1)
-    return (lp + 0.3 * torch.randn(n, generator=gen), torch.randn(n, generator=gen),
-            torch.rand(n, generator=gen) / n)
+    noise, adv, wt = (torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+                      torch.rand(n, generator=gen) / n)  # drawn on the CPU: the same on every device
+    return lp + 0.3 * noise.to(lp.device), adv.to(lp.device), wt.to(lp.device)
 
 
 def _single_pass(h, w, labels, data, **kw):
@@ -261,6 +262,16 @@ def test_cuda_matches_naive(dtype, backend):
                chunk_tokens=300, backend=backend)
     ref = _run(naive_logprob_entropy, h, w, labels, c_lp, c_ent, temperature=0.7)
     _assert_match(got, ref, dtype)
+
+
+def test_single_pass_data_is_made_on_its_inputs_device():
+    """The GPU test's data beside CUDA inputs ("meta" stands in here): drawing the noise on the
+    CPU and adding it to CUDA log-probs failed the first GPU run's single-pass tests."""
+    h, w, labels, _, _ = _inputs(10, 16, 50, torch.float32, seed=8)
+    on_cpu = _loss_data(h, w, labels, 0.7)
+    on_meta = _loss_data(h.to("meta"), w.to("meta"), labels.to("meta"), 0.7)
+    assert [t.device.type for t in on_meta] == ["meta"] * 3
+    assert [t.shape for t in on_meta] == [t.shape for t in on_cpu]
 
 
 @pytest.mark.gpu
