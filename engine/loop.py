@@ -20,7 +20,8 @@ What `fit()` calls, in this order (`t` is cfg.trainer, `step` is self.step_count
     while step < total_steps:
         batch = next_batch()
         faults.set_step(step + 1)    (engine/faults.py: injected faults match this step)
-        metrics = train_step(batch)
+        metrics = train_step(batch)  under torch's profiler for the global_profiler.steps
+                                     (engine/profiler.py)
         step += 1
         if after_step(metrics):      the step is refused (a guard tripped):
             logger.log(metrics, step); rollback(); continue   (no validation, no save)
@@ -80,6 +81,7 @@ import torch.distributed as dist
 
 from engine import faults
 from engine.metrics import MetricsLogger
+from engine.profiler import StepProfiler
 
 
 class Loop:
@@ -98,6 +100,7 @@ class Loop:
         self.logger = MetricsLogger(t.log_dir, t.logger, project=t.project_name,
                                     experiment=t.experiment_name, total_steps=self.total_steps,
                                     rank=self.rank, config=dataclasses.asdict(cfg))
+        self.profiler = StepProfiler(cfg.global_profiler, self.rank)
 
     # -- required hooks ------------------------------------------------------------------------
     def next_batch(self):
@@ -152,7 +155,8 @@ class Loop:
         while self.step_count < self.total_steps:
             batch = self.next_batch()
             faults.set_step(self.step_count + 1)
-            metrics = self.train_step(batch)
+            with self.profiler.step(self.step_count + 1):
+                metrics = self.train_step(batch)
             self.step_count += 1
             if self.after_step(metrics):
                 self.logger.log(metrics, self.step_count)

@@ -182,6 +182,9 @@ def test_grpo_step_runs_under_torchrun_with_the_sglang_double_on_cpu(tmp_path):
     assert any(r["kind"] == "update_weights_from_tensor" for r in records), "no weights reached the double"
     # the checkpoint apart from the small report files
     assert any(ckpt.rglob("*")) and not any(p.is_dir() and "step_" in p.name for p in out.rglob("*"))
+    # step 2 profiled: its table beside the report, its trace with the checkpoint
+    assert "update_actor" in (out / "grpo" / "step2_rank0.txt").read_text()
+    assert (ckpt / "profile" / "step2_rank0.json.gz").exists()
     assert sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) < 2_000_000
 
 

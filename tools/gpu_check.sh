@@ -9,7 +9,8 @@
 #   3. grpo       a 2-step GRPO run of recipes/gpu_check_grpo.yaml on one GPU, through SGLang
 #                 when it can serve here, else the transformers rollout on CUDA (rollout.name=hf);
 #                 passes only when the rollout's probabilities of its own tokens agree with the
-#                 trainer's (tools/gpu_report.py: training/rollout_probs_diff_max)
+#                 trainer's (tools/gpu_report.py: training/rollout_probs_diff_max); its step 2
+#                 runs under torch's profiler (global_profiler): grpo/step2_rank0.txt
 #   4. benchmark  tools/benchmark.py step on the largest dense model that fits one GPU in a few
 #                 minutes: tokens/s/GPU, MFU (whole step and actor update), peak memory, phases
 #
@@ -108,7 +109,10 @@ if has megatron.core; then
         2>/dev/null; then rollout=sglang; fi
     step grpo "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m engine.train \
         recipes/gpu_check_grpo.yaml "actor_rollout_ref.rollout.name=$rollout" \
-        "trainer.log_dir=$OUT/grpo" "trainer.default_local_dir=$CKPT" "${GRPO_ARGS[@]}"
+        "trainer.log_dir=$OUT/grpo" "trainer.default_local_dir=$CKPT" global_profiler.tool=torch \
+        "global_profiler.steps=[2]" "global_profiler.save_path=$CKPT/profile" "${GRPO_ARGS[@]}"
+    # the profile's tables beside the report; its trace (megabytes) stays with the checkpoint
+    cp "$CKPT"/profile/*.txt "$OUT/grpo/" 2>/dev/null
     step benchmark "$PY" tools/benchmark.py step --workload gpu --nproc 1 --steps 2 --warmup 1 \
         --json "$OUT/benchmark.json" "actor_rollout_ref.rollout.name=$rollout"
 else

@@ -480,6 +480,13 @@ class TrainerConfig:
 
 
 @dataclass
+class GlobalProfilerConfig:  # verl's; engine/profiler.py
+    tool: Optional[Literal["torch"]] = None  # null: off
+    steps: Optional[list[int]] = None  # the training steps profiled (1-based)
+    save_path: str = "outputs/profile"
+
+
+@dataclass
 class TridentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -488,4 +495,5 @@ class TridentConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 

@@ -46,7 +46,9 @@ def validate(cfg: TridentConfig) -> None:
     _validate_algorithm(cfg)
     _validate_trainer(cfg)
     from engine.config.validate_experience import validate_experience  # it builds on this module
+    from engine.config.validate_profiler import validate_profiler
     validate_experience(cfg)
+    validate_profiler(cfg)
 
 
 def _validate_data(data: DataConfig) -> None:

@@ -30,6 +30,7 @@ from engine.experience.balance import balance_batch
 from engine.experience.scoring import reward_extra_metrics, score_once_per_replica
 from engine.metrics import Timer
 from engine.phase import set_phase
+from engine.profiler import phase_range
 from engine.rollout.batches import sampling_params, training_batch
 from parallel.cpu import suspended as cpu_function_mode_suspended
 
@@ -95,7 +96,7 @@ class StepContext:
             self._announce(name)
             if _moves_memory(name):
                 self.colocated.enter(name)
-            with Timer(name, self.timings, cpu=self.cpu_timings):
+            with Timer(name, self.timings, cpu=self.cpu_timings), phase_range(name):
                 yield
         finally:
             self._stack.pop()
