@@ -48,11 +48,29 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
+        # a profiler that cannot start or write (no CUPTI, a full disk) costs the profile, never
+        # the step: one line says so and the run goes on
+        try:
+            prof = torch.profiler.profile(activities=activities)
+            prof.__enter__()
+        except Exception as err:  # noqa: BLE001 - any failure of the profiler itself
+            self._skipped(n, "start", err)
             yield
-        if cuda:
-            torch.cuda.synchronize()
-        self._write(prof, n, cuda)
+            return
+        try:
+            yield
+        finally:
+            try:
+                if cuda:
+                    torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                self._write(prof, n, cuda)
+            except Exception as err:  # noqa: BLE001
+                self._skipped(n, "write", err)
+
+    def _skipped(self, n, what, err):
+        print(f"profiler: step {n} not profiled on rank {self.rank}: could not {what} it "
+              f"({type(err).__name__}: {err}); training goes on", flush=True)
 
     def _write(self, prof, n, cuda):
         os.makedirs(self.save_path, exist_ok=True)

@@ -47,3 +47,40 @@ def test_a_profiler_that_would_not_run_is_refused(overrides, key, says):
     with pytest.raises(ConfigError) as err:
         load_config(DEMO, overrides)
     assert key in str(err.value) and says in str(err.value), str(err.value)
+
+
+def _profiler(save_path):
+    import types
+
+    from engine.profiler import StepProfiler
+    return StepProfiler(types.SimpleNamespace(tool="torch", steps=[1], save_path=str(save_path)), rank=0)
+
+
+def test_a_profiler_that_fails_costs_the_profile_not_the_step(tmp_path, monkeypatch, capsys):
+    import torch
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")  # save_path is a file: the profile cannot be written
+    ran = []
+    with _profiler(blocked / "profile").step(1):
+        ran.append(torch.ones(4).sum())
+    assert ran and "step 1 not profiled on rank 0: could not write" in capsys.readouterr().out
+
+    class Unstartable:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("CUPTI could not be initialised")
+
+    monkeypatch.setattr(torch.profiler, "profile", Unstartable)
+    with _profiler(tmp_path / "profile").step(1):
+        ran.append(1)
+    assert len(ran) == 2 and "could not start it (RuntimeError: CUPTI" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="the step's own"):  # the step's errors are its own
+        with _profiler(tmp_path / "profile").step(1):
+            raise ValueError("the step's own")
+    capsys.readouterr()
+    with _profiler(tmp_path / "profile").step(2):  # not a profiled step: nothing at all
+        ran.append(2)
+    assert not (tmp_path / "profile").exists() and capsys.readouterr().out == ""
