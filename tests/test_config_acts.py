@@ -11,7 +11,7 @@ SMALL = ["data.train_batch_size=8", "actor_rollout_ref.rollout.n=2", "actor_roll
          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]
 
 
-def _trainer(overrides, tmp, world=2):
+def demo_trainer(overrides, tmp, world=2):
     import torch.distributed as dist
 
     from engine.config import load_config
@@ -28,7 +28,7 @@ def _trainer(overrides, tmp, world=2):
 def _save_contents(tmp):
     import json
 
-    t = _trainer(["trainer.resume_mode=disable", "trainer.save_freq=1",
+    t = demo_trainer(["trainer.resume_mode=disable", "trainer.save_freq=1",
                   "actor_rollout_ref.actor.checkpoint.save_contents=[model]"], tmp)
     t.train_step(t.loader.next_batch())
     t.step_count = 1
@@ -36,7 +36,7 @@ def _save_contents(tmp):
     step_dir = os.path.join(tmp, "ckpt", "global_step_1")
     meta = json.load(open(os.path.join(step_dir, "meta.json")))
     files = sorted(os.listdir(step_dir))
-    resumed = _trainer(["trainer.resume_mode=auto"], tmp)
+    resumed = demo_trainer(["trainer.resume_mode=auto"], tmp)
     resumed.resume()
     from engine.checkpoint.state import has_optimizer_state
     return dict(meta=meta, files=files, step=resumed.step_count, position=resumed.loader.state_dict(),
@@ -68,7 +68,7 @@ def _critic_from_its_own_model(tmp):
         from engine.tasks import save_tokenizer
         save_tokenizer(path)  # the policy's: a critic reads its token ids as they are
     torch.distributed.barrier()
-    t = _trainer(["trainer.resume_mode=disable", "algorithm.adv_estimator=gae",
+    t = demo_trainer(["trainer.resume_mode=disable", "algorithm.adv_estimator=gae",
                   f"critic.model.path={path}", "critic.ppo_micro_batch_size_per_gpu=4"], tmp)
     from safetensors.torch import load_file
     saved = load_file(os.path.join(path, "model.safetensors"))
@@ -91,7 +91,7 @@ def _validation_chunks(val_batch_size, tmp):
     try:
         import sglang
         sglang.RECORDS.clear()
-        t = _trainer(["trainer.resume_mode=disable", "actor_rollout_ref.rollout.name=sglang",
+        t = demo_trainer(["trainer.resume_mode=disable", "actor_rollout_ref.rollout.name=sglang",
                       f"data.val_batch_size={val_batch_size}"], tmp)
         metrics = t.validate()
         sizes = [len(e["prompts"]) for e in sglang.RECORDS if e["kind"] == "generate"]

@@ -31,7 +31,7 @@ LAYERS = [
     ("models / algorithms / rewards / data", ("engine.models", "engine.algorithms", "engine.rewards",
                                               "engine.data", "engine.tasks", "engine.metrics",
                                               "engine.agents")),
-    ("support", ("engine.batch", "engine.errors", "engine.faults", "engine.phase", "engine.perf",
+    ("support", ("engine.batch", "engine.errors", "engine.faults", "engine.phase", "engine.perf", "engine.profiler",
                  "engine.lazy_imports")),
     ("parallel / kernels", ("parallel", "kernels")),
 ]

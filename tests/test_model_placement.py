@@ -28,19 +28,23 @@ def test_norm_is_built_where_megatrons_layers_are(monkeypatch):
     assert Norm(_config(True), 8).weight.device.type == "cpu"
 
 
-def _stray_tensors():
-    from engine.models.builder import build_model, tensors_off_device
+def _built_as_on_a_gpu(family, head):
+    from engine.models.builder import build_model
     from parallel.mesh import Layout, init_mesh
 
     init_mesh(Layout())
-    chunks = build_model(tiny_config("llama"))
-    clean = tensors_off_device(chunks, torch.device("cpu"))
-    norm = chunks[0].decoder.final_layernorm
-    norm.weight = torch.nn.Parameter(torch.ones_like(norm.weight, device="meta"))
-    return clean, tensors_off_device(chunks, torch.device("cpu"))
+    # Megatron's GPU path: every layer asks torch.cuda.current_device() for its parameters'
+    # device; "meta" stands in for the GPU (after parallel/cpu.py's own answer, which is the CPU)
+    torch.cuda.current_device = lambda: "meta"
+    chunks = build_model(tiny_config(family), head=head,
+                         config_overrides=dict(use_cpu_initialization=False, perform_initialization=False))
+    return sorted({p.device.type for c in chunks for p in c.parameters()})
 
 
-def test_a_tensor_off_the_models_device_is_named():
-    (clean, stray), = run_on_ranks(_stray_tensors, 1)
-    assert clean == []
-    assert stray == ["chunk 0 decoder.final_layernorm.weight on meta"]
+def test_every_parameter_of_a_model_built_as_on_a_gpu_is_on_the_gpu():
+    """The whole model through Megatron's GPU initialisation path: the reference's norms and the
+    critic's value head were made on the CPU there, and Megatron's MoE router makes its weight
+    there on purpose; build_model returns every parameter on the model's device."""
+    for family, head in [("llama", "lm"), ("llama", "value"), ("qwen3_moe", "lm"), ("mixtral", "lm")]:
+        (devices,) = run_on_ranks(_built_as_on_a_gpu, 1, family, head)
+        assert devices == ["meta"], (family, head, devices)

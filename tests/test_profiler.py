@@ -8,11 +8,11 @@ import os
 import pytest
 
 from tests.multirank import run_on_ranks
-from tests.test_config_acts import DEMO, _trainer
+from tests.test_config_acts import DEMO, demo_trainer
 
 
 def _profiled_fit(tmp):
-    t = _trainer(["trainer.resume_mode=disable", "trainer.total_training_steps=2",
+    t = demo_trainer(["trainer.resume_mode=disable", "trainer.total_training_steps=2",
                   "global_profiler.tool=torch", "global_profiler.steps=[2]",
                   f"global_profiler.save_path={tmp}/profile"], tmp, world=1)
     t.fit()

@@ -23,7 +23,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
-from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope, use_gated_mlp
+from engine.models.local_modules import (CoreAttention, Norm, install_fast_thd_rope, parameter_device,
+                                          use_gated_mlp)
 from parallel import cpu as cpu_compat
 from parallel import fsdp
 
@@ -156,7 +157,8 @@ class TridentGPTModel(GPTModel):
         if head == "value" and self.post_process:
             self.output_layer = None  # a critic never needs the [vocab, hidden] projection
             self.value_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False,
-                                              dtype=self.config.params_dtype)
+                                              dtype=self.config.params_dtype,
+                                              device=parameter_device(self.config))
             torch.nn.init.normal_(self.value_head.weight, std=self.config.init_method_std)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -364,15 +366,14 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     if lora is not None:
         from engine.models.lora import add_adapters
         add_adapters(chunks, lora, hf_config)
-    device = torch.device("cpu") if config.use_cpu_initialization else \
-        torch.device("cuda", torch.cuda.current_device())
-    stray = tensors_off_device(chunks, device)
-    if stray:  # a module that allocates on its own: caught here, not at its first forward
-        raise RuntimeError(f"built on the wrong device (expected {device}): {', '.join(stray[:5])}")
+    # every parameter where the model is before DDP and the optimizer take them: Megatron's MoE
+    # router makes its weight on the CPU and moves it at its first forward
+    # (megatron/core/transformer/moe/router.py), too late for a reference no DDP buffer moved
+    where = parameter_device(config)  # None: the default device (meta in parallel/meta.py's builds)
+    device = torch.get_default_device() if where is None else torch.device(where)
+    for p in [p for c in chunks for p in c.parameters() if p.device != device]:
+        moved = torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+        moved.__dict__.update(p.__dict__)  # Megatron's attributes (TP split, sequence_parallel)
+        torch.utils.swap_tensors(p, moved)  # the same object: every module holding it sees the move
     return chunks
 
-
-def tensors_off_device(chunks, device) -> List[str]:
-    """Names of the parameters and buffers of `chunks` that are not on `device`."""
-    return [f"chunk {i} {name} on {t.device}" for i, c in enumerate(chunks)
-            for name, t in [*c.named_parameters(), *c.named_buffers()] if t.device != device]
