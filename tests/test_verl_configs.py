@@ -193,3 +193,20 @@ def test_no_key_is_both_a_trident_key_and_in_the_verl_table():
     enable_chunked_prefill did) must leave engine/config/verl.py's table, or its refusal would
     shadow the new key."""
     assert set(verl.KEYS) & set(all_keys()) == set()
+
+
+def test_a_roles_profiler_section_is_noted_off_and_refused_on(caplog):
+    """verl's per-role `profiler` sections (in every dumped ppo_trainer config): off, one note per
+    section; switched on, one line naming global_profiler, which profiles whole steps here."""
+    off = "{enable: false, all_ranks: false, ranks: [], tool_config: {torch: {contents: [cpu]}}}"
+    with caplog.at_level(logging.WARNING, logger="engine.config.load"):
+        load_config(DEMO, [f"{A}.profiler={off}", "critic.profiler.ranks=[0]"])
+    notes = [r.getMessage() for r in caplog.records if r.name == "engine.config.load"]
+    assert notes == [f"config: {A}.profiler is verl's per-role profiler, off here: ignored (global_profiler.* "
+                     "profiles whole steps)", "config: critic.profiler.ranks is verl's per-role profiler, off "
+                     "here: ignored (global_profiler.* profiles whole steps)"]
+    for override in (f"{R}.profiler.enable=true", f"{A}.profiler={{enable: true, ranks: [0]}}"):
+        with pytest.raises(ConfigError) as info:
+            load_config(DEMO, [override])
+        line = str(info.value)
+        assert line.startswith(override.split("=")[0]) and "global_profiler.tool=torch" in line, line

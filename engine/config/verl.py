@@ -1,5 +1,6 @@
 """verl's keys that are not Trident's keys as they stand: FSDP's (`fsdp_config.*`, Ulysses, the
-reward model's `strategy`), vLLM's rollout switches, and a few more a verl recipe carries.
+reward model's `strategy`), vLLM's rollout switches, the per-role `profiler` sections, and a few
+more a verl recipe carries.
 (`strategy` of the actor, reference and critic is Trident's own key: megatron | fsdp | fsdp2.)
 
 Each key gets exactly one line, never a list of a section's keys:
@@ -145,6 +146,35 @@ KEYS: dict[str, VerlKey] = {
 }
 
 
+# verl's per-role profiler switches; Trident profiles whole steps on every rank (global_profiler)
+PROFILER_SECTIONS = tuple(f"{s}.profiler" for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref",
+                                                     "actor_rollout_ref.rollout", "critic", "reward_model"))
+PROFILER_FIX = ("Trident profiles whole steps, every rank and role at once: set global_profiler.tool=torch "
+                "and global_profiler.steps (engine/profiler.py), and remove it or set enable=false")
+
+
+def _profiler_section(key: str) -> Optional[str]:
+    return next((s for s in PROFILER_SECTIONS if key == s or key.startswith(s + ".")), None)
+
+
+def _profiler(key: str, value: Any) -> Iterator[Answer]:
+    """A role's `profiler` section (one line for it) or one of its keys (one line each)."""
+    section = _profiler_section(key)
+    if key == section and value is not None and not isinstance(value, dict):
+        yield Answer("refuse", key, value, f"{key}={value!r}: expected a mapping of verl's profiler keys; "
+                                           f"remove it ({PROFILER_FIX})")
+        return
+    enable = (value or {}).get("enable", False) if key == section else value if key.endswith(".enable") \
+        else False
+    if enable is True:
+        yield Answer("refuse", key, value, f"{key}={value!r}: {PROFILER_FIX}")
+    elif enable is False:
+        yield Answer("note", key, value, f"config: {key} is verl's per-role profiler, off here: ignored "
+                                         "(global_profiler.* profiles whole steps)")
+    else:
+        yield Answer("refuse", key, value, f"{key}={value!r}: expected true or false")
+
+
 def _fsdp_key(key: str) -> Optional[tuple[str, VerlKey]]:
     """(section, entry) for `<section>.fsdp_config.<name>`; an unknown name gets the generic line."""
     for section, (meg, trains) in FSDP_SECTIONS.items():
@@ -164,11 +194,14 @@ def is_fsdp_section(key: str) -> bool:
 
 def handles(key: str) -> bool:
     """Whether `key` (dotted) is one of verl's keys this module answers for."""
-    return key in KEYS or is_fsdp_section(key) or _fsdp_key(key) is not None
+    return key in KEYS or is_fsdp_section(key) or _fsdp_key(key) is not None or _profiler_section(key) is not None
 
 
 def resolve(key: str, value: Any, in_schema: bool) -> Iterator[Answer]:
     """What to do with verl's `key`=`value` (`in_schema`: Trident has a key of that name)."""
+    if _profiler_section(key):
+        yield from _profiler(key, value)
+        return
     if is_fsdp_section(key):
         if value is None:  # an empty section
             return
