@@ -34,10 +34,14 @@ def _built_as_on_a_gpu(family, head):
 
     init_mesh(Layout())
     # Megatron's GPU path: every layer asks torch.cuda.current_device() for its parameters'
-    # device; "meta" stands in for the GPU (after parallel/cpu.py's own answer, which is the CPU)
-    torch.cuda.current_device = lambda: "meta"
-    chunks = build_model(tiny_config(family), head=head,
-                         config_overrides=dict(use_cpu_initialization=False, perform_initialization=False))
+    # device; "meta" stands in for the GPU (after parallel/cpu.py's own answer, which is the CPU),
+    # and only while building: the rank processes serve later tests
+    cpu_answer, torch.cuda.current_device = torch.cuda.current_device, lambda: "meta"
+    try:
+        chunks = build_model(tiny_config(family), head=head,
+                             config_overrides=dict(use_cpu_initialization=False, perform_initialization=False))
+    finally:
+        torch.cuda.current_device = cpu_answer
     return sorted({p.device.type for c in chunks for p in c.parameters()})
 
 
