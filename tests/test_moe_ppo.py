@@ -66,11 +66,8 @@ def _update(layout_kwargs, replay, recompute=None, micro=1, max_tokens=None):
                selective=dict(recompute_granularity="selective")).get(recompute, {})
     meg = MegatronConfig(params_dtype="float32", use_distributed_optimizer=True, **how)
     dynamic = dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=max_tokens) if max_tokens else {}
-    # Adam's eps 1e-6, not 1e-8: an expert weight whose gradient is ~1e-8 moves by lr * g / (|g| +
-    # eps), so the last-bit differences of summing its tokens in another order (each layout
-    # groups them differently) moved one element 1.6e-5 while every other weight agreed to 6e-7
     cfg = ActorConfig(ppo_mini_batch_size=B, ppo_micro_batch_size_per_gpu=micro, megatron=meg, **dynamic,
-                      optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, eps=1e-6),
+                      optim=OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0),
                       router_replay=replay, use_kl_loss=False, entropy_coeff=0.0, clip_ratio=0.2)
     actor = ActorWorker(hf, cfg, ModelConfig(use_remove_padding=True), response_length=R)
     shapes = {s.global_name: s.global_shape for _, s in local_shards(actor.chunks)}
