@@ -243,37 +243,3 @@ def test_cpu_gradient_accumulation_fusion_adds_into_main_grad():
     want = start + sum(g.reshape(-1, 4).t() @ x.reshape(-1, 6) for x, g in zip(xs, gs))
     torch.testing.assert_close(main_grad, want, rtol=1e-6, atol=1e-6)
     assert added is True
-
-
-# transformers normalises in fp32 even for fp64 input: fp64 agrees to fp32 rounding, and gradcheck
-# checks the fp64 backward itself
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-6), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_the_rms_norm_is_transformers_llama_rms_norm(dtype, tol):
-    """Norm's RMSNorm (one autograd function, its own backward) against transformers'
-    LlamaRMSNorm on the same weight: output, input and weight gradients; fp64 by gradcheck too."""
-    import types
-
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from engine.models.local_modules import Norm, RMSNorm
-
-    gen = torch.Generator().manual_seed(3)
-    config = types.SimpleNamespace(normalization="RMSNorm", params_dtype=dtype, sequence_parallel=False,
-                                   use_cpu_initialization=True)
-    ours, ref = Norm(config, 32, eps=1e-6), LlamaRMSNorm(32, eps=1e-6).to(dtype)
-    weight = 1 + 0.1 * torch.randn(32, generator=gen)
-    for module in (ours, ref):
-        module.weight.data.copy_(weight)
-    x = (3 * torch.randn(5, 2, 32, generator=gen)).to(dtype)
-    g = torch.randn(5, 2, 32, generator=gen).to(dtype)
-    results = []
-    for module in (ours, ref):
-        xi = x.clone().requires_grad_()
-        out = module(xi)
-        out.backward(g)
-        results.append((out, xi.grad, module.weight.grad))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * float(b.float().abs().max()))
-    if dtype == torch.float64:
-        assert torch.autograd.gradcheck(lambda xi, w: RMSNorm.apply(xi, w, 1e-6),
-                                        (x.clone().requires_grad_(), weight.double().requires_grad_()))
