@@ -29,7 +29,7 @@ def _save_contents(tmp):
     import json
 
     t = demo_trainer(["trainer.resume_mode=disable", "trainer.save_freq=1",
-                  "actor_rollout_ref.actor.checkpoint.save_contents=[model]"], tmp)
+                      "actor_rollout_ref.actor.checkpoint.save_contents=[model]"], tmp)
     t.train_step(t.loader.next_batch())
     t.step_count = 1
     t.save()
@@ -69,7 +69,7 @@ def _critic_from_its_own_model(tmp):
         save_tokenizer(path)  # the policy's: a critic reads its token ids as they are
     torch.distributed.barrier()
     t = demo_trainer(["trainer.resume_mode=disable", "algorithm.adv_estimator=gae",
-                  f"critic.model.path={path}", "critic.ppo_micro_batch_size_per_gpu=4"], tmp)
+                      f"critic.model.path={path}", "critic.ppo_micro_batch_size_per_gpu=4"], tmp)
     from safetensors.torch import load_file
     saved = load_file(os.path.join(path, "model.safetensors"))
     critic = dict(iter_global(t.critic.chunks, "param"))
@@ -92,7 +92,7 @@ def _validation_chunks(val_batch_size, tmp):
         import sglang
         sglang.RECORDS.clear()
         t = demo_trainer(["trainer.resume_mode=disable", "actor_rollout_ref.rollout.name=sglang",
-                      f"data.val_batch_size={val_batch_size}"], tmp)
+                          f"data.val_batch_size={val_batch_size}"], tmp)
         metrics = t.validate()
         sizes = [len(e["prompts"]) for e in sglang.RECORDS if e["kind"] == "generate"]
         return dict(metrics=metrics, sizes=sizes, n=len(t.val_data))

@@ -13,8 +13,8 @@ from tests.test_config_acts import DEMO, demo_trainer
 
 def _profiled_fit(tmp):
     t = demo_trainer(["trainer.resume_mode=disable", "trainer.total_training_steps=2",
-                  "global_profiler.tool=torch", "global_profiler.steps=[2]",
-                  f"global_profiler.save_path={tmp}/profile"], tmp, world=1)
+                      "global_profiler.tool=torch", "global_profiler.steps=[2]",
+                      f"global_profiler.save_path={tmp}/profile"], tmp, world=1)
     t.fit()
     return sorted(os.listdir(os.path.join(tmp, "profile")))
 

@@ -164,8 +164,10 @@ def _profiler(key: str, value: Any) -> Iterator[Answer]:
         yield Answer("refuse", key, value, f"{key}={value!r}: expected a mapping of verl's profiler keys; "
                                            f"remove it ({PROFILER_FIX})")
         return
-    enable = (value or {}).get("enable", False) if key == section else value if key.endswith(".enable") \
-        else False
+    if key == section:
+        enable = (value or {}).get("enable", False)
+    else:  # one key of the section: only `enable` can switch the role's profiler on
+        enable = value if key.endswith(".enable") else False
     if enable is True:
         yield Answer("refuse", key, value, f"{key}={value!r}: {PROFILER_FIX}")
     elif enable is False:

@@ -23,8 +23,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
-from engine.models.local_modules import (CoreAttention, Norm, install_fast_thd_rope, parameter_device,
-                                          use_gated_mlp)
+from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope, use_gated_mlp
 from parallel import cpu as cpu_compat
 from parallel import fsdp
 
@@ -157,8 +156,7 @@ class TridentGPTModel(GPTModel):
         if head == "value" and self.post_process:
             self.output_layer = None  # a critic never needs the [vocab, hidden] projection
             self.value_head = torch.nn.Linear(self.config.hidden_size, 1, bias=False,
-                                              dtype=self.config.params_dtype,
-                                              device=parameter_device(self.config))
+                                              dtype=self.config.params_dtype)
             torch.nn.init.normal_(self.value_head.weight, std=self.config.init_method_std)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -366,14 +364,21 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
     if lora is not None:
         from engine.models.lora import add_adapters
         add_adapters(chunks, lora, hf_config)
-    # every parameter where the model is before DDP and the optimizer take them: Megatron's MoE
-    # router makes its weight on the CPU and moves it at its first forward
-    # (megatron/core/transformer/moe/router.py), too late for a reference no DDP buffer moved
-    where = parameter_device(config)  # None: the default device (meta in parallel/meta.py's builds)
-    device = torch.get_default_device() if where is None else torch.device(where)
-    for p in [p for c in chunks for p in c.parameters() if p.device != device]:
+    _to_model_device(chunks, config)
+    return chunks
+
+
+def _to_model_device(chunks, config):
+    """Every parameter where Megatron's layers put theirs (megatron/core/tensor_parallel/layers.py:
+    the current GPU, or with use_cpu_initialization the default device: the CPU, or meta in
+    parallel/meta.py's builds), before DDP and the optimizer take them. Trident's norms and value
+    head are made without a device, and Megatron's MoE router makes its weight on the CPU and
+    moves it at its first forward (megatron/core/transformer/moe/router.py): a model no DDP
+    buffer takes over (the reference) met them on the CPU on the first GPU run."""
+    device = torch.get_default_device() if config.use_cpu_initialization else \
+        torch.device(torch.cuda.current_device())
+    stray = {id(p): p for c in chunks for p in c.parameters() if p.device != device}  # shared once
+    for p in stray.values():
         moved = torch.nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
         moved.__dict__.update(p.__dict__)  # Megatron's attributes (TP split, sequence_parallel)
         torch.utils.swap_tensors(p, moved)  # the same object: every module holding it sees the move
-    return chunks
-

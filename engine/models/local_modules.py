@@ -15,14 +15,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 
 
-def parameter_device(config):
-    """Where Megatron's own layers create their parameters (megatron/core/tensor_parallel/
-    layers.py): the current GPU, or with use_cpu_initialization the default device (the CPU, or
-    meta in a meta build). A module of Trident's that allocated on the CPU anyway ran on a GPU
-    only where a DDP buffer took its parameters over: the reference model has none."""
-    return None if config.use_cpu_initialization else torch.cuda.current_device()
-
-
 class Norm(torch.nn.Module):
     """RMSNorm / LayerNorm with Megatron's constructor; SP-aware.
 
@@ -38,9 +30,9 @@ class Norm(torch.nn.Module):
             raise ValueError(f"normalization={config.normalization!r} is not supported; "
                              "use RMSNorm or LayerNorm")
         self.eps = eps
-        kw = dict(dtype=config.params_dtype, device=parameter_device(config))
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
-        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, **kw))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype))
         for p in self.parameters():
             setattr(p, "sequence_parallel", bool(config.sequence_parallel))
 
