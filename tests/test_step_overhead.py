@@ -27,7 +27,7 @@ def test_all_finite_is_isfinite_everywhere(values, dtype):
     assert all_finite([]) is True
 
 
-def _reference(q, k, v, lengths, scale):
+def per_sequence_attention(q, k, v, lengths, scale):
     """Causal softmax attention of each sequence alone; q, k, v [t, heads, d] packed."""
     out, start = [], 0
     for n in lengths:
@@ -35,7 +35,7 @@ def _reference(q, k, v, lengths, scale):
         if ks.shape[0] != qs.shape[0]:  # grouped-query: each kv head serves a group of q heads
             ks, vs = (x.repeat_interleave(qs.shape[0] // x.shape[0], 0) for x in (ks, vs))
         scores = qs @ ks.transpose(1, 2) * scale
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=qs.device).triu(1), float("-inf"))
         out.append((scores.softmax(-1) @ vs).transpose(0, 1))
         start += n
     return torch.cat(out).reshape(start, -1)
@@ -60,7 +60,7 @@ def test_packed_attention_reads_the_packing_once_per_micro_batch():
     q = torch.randn(sum(lengths), 4, 8, generator=gen)
     k, v = torch.randn(2, sum(lengths), 2, 8, generator=gen)
     params = packed(lengths)
-    want = _reference(q, k, v, lengths, 1 / math.sqrt(8))
+    want = per_sequence_attention(q, k, v, lengths, 1 / math.sqrt(8))
     torch.testing.assert_close(attention(q, k, v, packed_seq_params=params), want)
     # the next layer of the same micro-batch: the packing is not read again
     params.cu_seqlens_q = params.cu_seqlens_kv = torch.tensor([0, sum(lengths)], dtype=torch.int32)
@@ -69,7 +69,7 @@ def test_packed_attention_reads_the_packing_once_per_micro_batch():
     other = [4, 4, 9]
     fresh = dataclasses.replace(packed(other))
     torch.testing.assert_close(attention(q, k, v, packed_seq_params=fresh),
-                               _reference(q, k, v, other, 1 / math.sqrt(8)))
+                               per_sequence_attention(q, k, v, other, 1 / math.sqrt(8)))
 
 
 @pytest.mark.parametrize("lengths, runs", [
@@ -97,7 +97,7 @@ def test_packed_attention_reads_runs_of_equal_lengths_as_views(lengths, runs):
     for run in (lambda q, k, v: attention(q, k, v, packed_seq_params=PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
             max_seqlen_kv=max(lengths))),
-            lambda q, k, v: _reference(q, k, v, lengths, 1 / math.sqrt(8)).reshape(t, -1)):
+            lambda q, k, v: per_sequence_attention(q, k, v, lengths, 1 / math.sqrt(8)).reshape(t, -1)):
         mixed.grad = None
         q, k, v = mixed[:, :32].view(t, 4, 8), mixed[:, 32:48].view(t, 2, 8), mixed[:, 48:].view(t, 2, 8)
         out = run(q, k, v)

@@ -5,13 +5,16 @@ TE): a norm that works with sequence parallelism, and a core attention that acce
 key/value head sizes (MLA). It also runs SwiGLU as separate ops (`GatedMLP` fuses their
 backward). These are plain torch; TE's fused versions replace them when present.
 
-Tests: tests/test_fusions.py, tests/test_layouts.py, tests/test_step_overhead.py
+Tests: tests/test_fusions.py, tests/test_layouts.py, tests/test_step_overhead.py,
+tests/gpu/test_attention_gpu.py
 """
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.mlp import MLP
 
 
@@ -134,9 +137,10 @@ class CoreAttention(torch.nn.Module):
 
     def _sdpa(self, q, k, v, mask=None):
         """[b, heads, s, d] attention; grouped-query heads are shared, not copied."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
+        with cuda_sdpa_order(q):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
 
     def _packed(self, query, key, value, params):
         """THD: [t, heads, dim] with sequences back to back; causal within each sequence.
@@ -164,6 +168,24 @@ class CoreAttention(torch.nn.Module):
             else:
                 out.index_copy_(0, where, o)
         return out.reshape(out.shape[0], -1)
+
+
+# On CUDA, torch may pick cuDNN's attention first (aten/src/ATen/native/transformers/cuda/
+# sdp_utils.cpp, priority order), which builds an execution plan for every new shape: on the
+# H200, ~1.3 ms of host time per forward call and ~1.6 ms per backward, where RL batches bring
+# new lengths every micro-batch (gpu-check's GRPO step: 4.2 of its 5.5 s of actor passes).
+# Flash and memory-efficient attention run any length without a plan; cuDNN and math stay as
+# fallbacks for what those two cannot run (fp32 for flash, unequal k / v head sizes, masks).
+CUDA_SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def cuda_sdpa_order(tensor):
+    """The context SDPA runs in: CUDA_SDPA_ORDER on a CUDA tensor; torch's own choice elsewhere
+    (the CPU keeps its kernels and results)."""
+    if tensor.is_cuda:
+        return sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True)
+    return contextlib.nullcontext()
 
 
 def length_groups(params, device):
