@@ -430,22 +430,27 @@ def reduce_over_dp(local, dp, weights=None):
 
     weights = {k: float(w) for k, w in (weights or {}).items() if k in local}
     keys = sorted(local)
+    if not keys:
+        return {}
     group = ps.get_data_parallel_group()
+    # one collective for all three kinds: every shard's values and weights, reduced here
+    mine = torch.tensor([[local[k] for k in keys], [weights.get(k, 1.0) for k in keys]],
+                        dtype=torch.float64)
+    shards = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, mine, group=group)
+    values, w = torch.stack(shards).unbind(1)  # [shards, keys] each
+    highest, lowest = values.max(0).values.tolist(), values.min(0).values.tolist()
+    total, weight = (values * w).sum(0).tolist(), w.sum(0).tolist()
     vals = {}
-    for op, pick in ((dist.ReduceOp.MAX, "/max"), (dist.ReduceOp.MIN, "/min")):
-        ks = [k for k in keys if k.endswith(pick)]
-        if ks:
-            t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-            dist.all_reduce(t, op=op, group=group)
-            vals.update(zip(ks, t.tolist()))
-    ks = [k for k in keys if k not in vals]
-    w = torch.tensor([weights.get(k, 1.0) for k in ks], dtype=torch.float64)
-    t = torch.tensor([local[k] for k in ks], dtype=torch.float64)
-    t = torch.cat([t * w, w])
-    dist.all_reduce(t, group=group)
-    total, weight = t[:len(ks)].tolist(), t[len(ks):].tolist()
-    for k, v, wt in zip(ks, total, weight):
-        vals[k] = (v / wt if wt > 0 else 0.0) if k in weights else v / dp
+    for i, k in enumerate(keys):
+        if k.endswith("/max"):
+            vals[k] = highest[i]
+        elif k.endswith("/min"):
+            vals[k] = lowest[i]
+        elif k in weights:
+            vals[k] = total[i] / weight[i] if weight[i] > 0 else 0.0
+        else:
+            vals[k] = total[i] / dp
     return vals
 
 

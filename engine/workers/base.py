@@ -98,18 +98,21 @@ class MicroBatch:
 
 
 def sample_sequences(batch: Batch):
-    """(valid token ids, prompt length, response length) of each sample."""
+    """(valid token ids, prompt length, response length) of each sample: its prompt's valid
+    tokens, then its first `response length` response tokens (every valid response token: a
+    multi-turn response_mask leaves out observations). One masked gather for the whole batch,
+    not a few ops per row: micro-batches are made for every pass of every step."""
     input_ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-    width = batch["responses"].shape[1]
-    prompt_attn = attn[:, : attn.shape[1] - width]
-    # every valid response token (a multi-turn response_mask leaves out observations)
-    resp_len = attn[:, attn.shape[1] - width:].sum(-1).tolist()
-    out = []
-    for i in range(len(batch)):
-        prompt = input_ids[i, : prompt_attn.shape[1]][prompt_attn[i]]
-        response = batch["responses"][i, : int(resp_len[i])]
-        out.append((torch.cat([prompt, response]), prompt.numel(), int(resp_len[i])))
-    return out
+    responses = batch["responses"]
+    width = responses.shape[1]
+    prompt_width = attn.shape[1] - width
+    prompt_attn = attn[:, :prompt_width]
+    resp_len = attn[:, prompt_width:].sum(-1)
+    keep = torch.cat([prompt_attn, torch.arange(width, device=attn.device) < resp_len[:, None]], 1)
+    flat = torch.cat([input_ids[:, :prompt_width], responses], 1)[keep]
+    prompt_len = prompt_attn.sum(-1)
+    seqs = flat.split((prompt_len + resp_len).tolist())
+    return list(zip(seqs, prompt_len.tolist(), resp_len.tolist()))
 
 
 def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of: int,
@@ -118,10 +121,10 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
     """The model inputs of `rows`. With cp_size > 1, every sequence (packed) or row (unpacked)
     is padded to a multiple of 2 x CP x `multiple_of` and the micro-batch holds CP rank
     `cp_rank`'s share; cp_rank=None gives the padded row unsplit (what the shares come from)."""
-    seqs = sample_sequences(batch.index_select(rows))
+    # the three fields the sequences are made of, not every field of the batch
+    seqs = sample_sequences(batch.select(["input_ids", "attention_mask", "responses"]).index_select(rows))
     width = batch["responses"].shape[1]
     seq_multiple = 2 * cp_size * multiple_of if cp_size > 1 else 1
-    positions, labels, last = [], [], []
     if packed:
         p = pack([s for s, _, _ in seqs], pad_id=pad_id, multiple_of=multiple_of,
                  min_length=min_length, seq_multiple_of=seq_multiple)
@@ -134,13 +137,15 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
             tokens[r, : s.numel()] = s
         params, starts = None, [r * longest for r in range(len(seqs))]
         bounds = row_bounds(len(seqs), longest)
-    for start, (seq, plen, rlen) in zip(starts, seqs):
-        # token t+1 is predicted at position t: the response starts at plen
-        pos = torch.arange(start + plen - 1, start + plen - 1 + rlen)
-        positions.append(pos)
-        labels.append(seq[plen: plen + rlen])
-        last.append(start + plen + rlen - 1)
-    positions, labels, last = torch.cat(positions), torch.cat(labels), torch.tensor(last)
+    # token t+1 is predicted at position t: sequence i's response is predicted from positions
+    # start_i + plen_i - 1 onward; its labels are the response tokens themselves
+    plens = torch.tensor([plen for _, plen, _ in seqs])
+    rlens = torch.tensor([rlen for _, _, rlen in seqs])
+    first = torch.tensor(starts) + plens - 1
+    done = torch.cumsum(rlens, 0) - rlens  # response tokens of the sequences before
+    positions = torch.repeat_interleave(first - done, rlens) + torch.arange(int(rlens.sum()))
+    labels = torch.cat([seq[plen: plen + rlen] for seq, plen, rlen in seqs])
+    last = first + rlens
     index = position_ids = takes = last_local = last_takes = None
     unsplit_shape = tuple(tokens.shape)
     if cp_size > 1 and cp_rank is not None:
@@ -399,11 +404,14 @@ class MegatronWorker:
         """Keep exactly `states` on the device (engine/config/phases.py decides which): the
         others' storage is copied to the host and freed, and comes back when asked for. Storage
         the optimizer shares with the parameters (fp32 main params) moves with the parameters."""
-        params = model_params(self.chunks)
+        params = None  # read only when something leaves: this runs at every phase change
         for state, offloader in self._offloaders.items():
-            if state in states and offloader.offloaded:
-                offloader.reload()
-            elif state not in states and not offloader.offloaded:
+            if state in states:
+                if offloader.offloaded:
+                    offloader.reload()
+            elif not offloader.offloaded and (state == "params" or self.optimizer is not None):
+                # a model without an optimizer (the reference) has no gradients or optimizer state
+                params = model_params(self.chunks) if params is None else params
                 offloader.offload(self.state_tensors(state), keep=[] if state == "params" else params)
 
     def resident_bytes(self):
