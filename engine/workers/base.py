@@ -98,12 +98,10 @@ class MicroBatch:
 
 
 def sample_sequences(batch: Batch):
-    """(valid token ids, prompt length, response length) of each sample: its prompt's valid
-    tokens, then its first `response length` response tokens (every valid response token: a
-    multi-turn response_mask leaves out observations). One masked gather for the whole batch,
-    not a few ops per row: micro-batches are made for every pass of every step."""
-    input_ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-    responses = batch["responses"]
+    """(valid token ids, prompt length, response length) of each sample: its valid prompt
+    tokens, then its first `response length` response tokens (a multi-turn response_mask leaves
+    out observations), by one masked gather for the batch: this runs for every micro-batch."""
+    input_ids, attn, responses = batch["input_ids"], batch["attention_mask"].bool(), batch["responses"]
     width = responses.shape[1]
     prompt_width = attn.shape[1] - width
     prompt_attn = attn[:, :prompt_width]
@@ -121,7 +119,6 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
     """The model inputs of `rows`. With cp_size > 1, every sequence (packed) or row (unpacked)
     is padded to a multiple of 2 x CP x `multiple_of` and the micro-batch holds CP rank
     `cp_rank`'s share; cp_rank=None gives the padded row unsplit (what the shares come from)."""
-    # the three fields the sequences are made of, not every field of the batch
     seqs = sample_sequences(batch.select(["input_ids", "attention_mask", "responses"]).index_select(rows))
     width = batch["responses"].shape[1]
     seq_multiple = 2 * cp_size * multiple_of if cp_size > 1 else 1
@@ -137,8 +134,7 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
             tokens[r, : s.numel()] = s
         params, starts = None, [r * longest for r in range(len(seqs))]
         bounds = row_bounds(len(seqs), longest)
-    # token t+1 is predicted at position t: sequence i's response is predicted from positions
-    # start_i + plen_i - 1 onward; its labels are the response tokens themselves
+    # token t+1 is predicted at position t: sequence i's response from start_i + plen_i - 1 on
     plens = torch.tensor([plen for _, plen, _ in seqs])
     rlens = torch.tensor([rlen for _, _, rlen in seqs])
     first = torch.tensor(starts) + plens - 1
@@ -404,7 +400,7 @@ class MegatronWorker:
         """Keep exactly `states` on the device (engine/config/phases.py decides which): the
         others' storage is copied to the host and freed, and comes back when asked for. Storage
         the optimizer shares with the parameters (fp32 main params) moves with the parameters."""
-        params = None  # read only when something leaves: this runs at every phase change
+        params = None  # read only when something leaves (this runs at every phase change)
         for state, offloader in self._offloaders.items():
             if state in states:
                 if offloader.offloaded:
