@@ -59,8 +59,11 @@ def test_packed_attention_runs_without_cudnn_plans(dtype, kv_heads):
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = per_sequence_attention(q64, k64, v64, lengths, 1 / math.sqrt(64))
     want.backward(grad_out.double())
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4  # bf16 keeps 8 bits of mantissa
+    # bf16 keeps 8 bits of mantissa, and its backward rounds the probabilities too; a wrong mask
+    # or scale errs by the values themselves
+    tols = dict(out=2e-2, dq=5e-2, dk=5e-2, dv=5e-2) if dtype == torch.bfloat16 else \
+        dict(out=1e-4, dq=1e-4, dk=1e-4, dv=1e-4)
     for name, got, ref in zip(("out", "dq", "dk", "dv"), [result["out"]] + result["grads"],
                               (want.detach(), q64.grad, k64.grad, v64.grad)):
-        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        err, tol = float((got.double() - ref).abs().max() / ref.abs().max()), tols[name]
         assert err < tol, f"{name}: max error {err:.2e} of the largest value, over {tol}"
