@@ -98,15 +98,13 @@ class MicroBatch:
 
 
 def sample_sequences(batch: Batch):
-    """(valid token ids, prompt length, response length) of each sample: its valid prompt
-    tokens, then its first `response length` response tokens (a multi-turn response_mask leaves
-    out observations), by one masked gather for the batch: this runs for every micro-batch."""
+    """(valid token ids, prompt length, response length) of each sample (a multi-turn
+    response_mask leaves out observations): one masked gather, as it runs for every micro-batch."""
     input_ids, attn, responses = batch["input_ids"], batch["attention_mask"].bool(), batch["responses"]
-    width = responses.shape[1]
-    prompt_width = attn.shape[1] - width
-    prompt_attn = attn[:, :prompt_width]
-    resp_len = attn[:, prompt_width:].sum(-1)
-    keep = torch.cat([prompt_attn, torch.arange(width, device=attn.device) < resp_len[:, None]], 1)
+    prompt_width = attn.shape[1] - responses.shape[1]
+    prompt_attn, resp_len = attn[:, :prompt_width], attn[:, prompt_width:].sum(-1)
+    in_response = torch.arange(responses.shape[1], device=attn.device) < resp_len[:, None]
+    keep = torch.cat([prompt_attn, in_response], 1)
     flat = torch.cat([input_ids[:, :prompt_width], responses], 1)[keep]
     prompt_len = prompt_attn.sum(-1)
     seqs = flat.split((prompt_len + resp_len).tolist())
@@ -135,8 +133,7 @@ def make_micro_batch(batch: Batch, rows: List[int], *, packed: bool, multiple_of
         params, starts = None, [r * longest for r in range(len(seqs))]
         bounds = row_bounds(len(seqs), longest)
     # token t+1 is predicted at position t: sequence i's response from start_i + plen_i - 1 on
-    plens = torch.tensor([plen for _, plen, _ in seqs])
-    rlens = torch.tensor([rlen for _, _, rlen in seqs])
+    plens, rlens = (torch.tensor([s[i] for s in seqs]) for i in (1, 2))
     first = torch.tensor(starts) + plens - 1
     done = torch.cumsum(rlens, 0) - rlens  # response tokens of the sequences before
     positions = torch.repeat_interleave(first - done, rlens) + torch.arange(int(rlens.sum()))
@@ -402,11 +399,10 @@ class MegatronWorker:
         the optimizer shares with the parameters (fp32 main params) moves with the parameters."""
         params = None  # read only when something leaves (this runs at every phase change)
         for state, offloader in self._offloaders.items():
-            if state in states:
-                if offloader.offloaded:
-                    offloader.reload()
-            elif not offloader.offloaded and (state == "params" or self.optimizer is not None):
-                # a model without an optimizer (the reference) has no gradients or optimizer state
+            if state in states and offloader.offloaded:
+                offloader.reload()
+            elif state not in states and not offloader.offloaded and (
+                    state == "params" or self.optimizer is not None):  # the reference: params only
                 params = model_params(self.chunks) if params is None else params
                 offloader.offload(self.state_tensors(state), keep=[] if state == "params" else params)
 
