@@ -236,3 +236,17 @@ def test_rounds_take_turns_at_running_first():
     assert log == ["L", "L", "T", "T", "L", "L", "T"]
     assert pairs == [("T0", "L1"), ("T3", "L2"), ("T4", "L5"), ("T7", "L6")]
     assert paired_runs(1, "T0", runner("T"), runner("L")) == [("T0", "L8")]
+
+
+def test_attention_json_times_both_orders_on_both_kinds_of_batch(tmp_path):
+    """tools/benchmark.py attention at a tiny size. On the CPU the SDPA order does not apply, the
+    plumbing does: every case x order timed, each ratio the quotient of its two timings."""
+    report = _bench(tmp_path, "attention", "--tokens", "96", "--heads", "4", "--kv-heads", "2",
+                    "--head-dim", "8", "--longest", "20", "--calls", "2")
+    assert (report["device"], report["tokens"], report["kv_heads"]) == ("cpu", 96, 2)
+    ms = report["ms_per_call"]
+    assert set(ms) == {f"{case}/{order}" for case in ("varied", "fixed")
+                       for order in ("trident", "cudnn_first")}
+    assert all(t > 0 for t in ms.values())
+    for case in ("varied", "fixed"):
+        assert report["ratios"][case] == pytest.approx(ms[f"{case}/trident"] / ms[f"{case}/cudnn_first"])

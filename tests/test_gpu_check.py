@@ -116,6 +116,19 @@ def test_report_statuses(tmp_path):
     assert report["summary"] == {"pass": 3, "fail": 3, "skipped": 2}
 
 
+def test_report_prints_the_attention_benchmark(tmp_path):
+    import gpu_report
+
+    (tmp_path / "steps.txt").write_text("attention 0 9 40\n")
+    ms = {"varied/trident": 1.5, "varied/cudnn_first": 3.0, "fixed/trident": 1.2, "fixed/cudnn_first": 1.0}
+    (tmp_path / "attention.json").write_text(json.dumps(dict(ms_per_call=ms, ratios=dict(varied=0.5, fixed=1.2))))
+    assert gpu_report.report(str(tmp_path)) == 0
+    [check] = json.loads((tmp_path / "report.json").read_text())["checks"]
+    assert check["status"] == "pass"
+    assert check["detail"] == ("packed fwd+bwd: varied 1.50 ms (0.50x cuDNN first), "
+                               "fixed 1.20 ms (1.20x cuDNN first)")
+
+
 def test_a_killed_pytest_step_still_reports_each_finished_test(tmp_path):
     """A step killed at its limit writes no junit XML: pytest -v's lines name what finished."""
     import gpu_report

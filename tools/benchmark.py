@@ -5,6 +5,7 @@
     python tools/benchmark.py kernels [--tokens 4096 --hidden 1024 --vocab 151936] [--json F]
     python tools/benchmark.py pool [--off-policy-steps 0 1 2]   # separate pool at staleness k
     python tools/benchmark.py pool --seeds 1 2 3 --off-policy-steps 0 2 --steps 30  # held-out score
+    python tools/benchmark.py attention [--tokens 8192]  # packed attention: SDPA orders on a GPU
     python tools/benchmark.py all                      # every subcommand with its defaults
 
 Adding a subcommand: write `add_<name>_args(parser)` and `run_<name>(args) -> dict` and register
@@ -173,13 +174,14 @@ def run_kernels(args):
 # ---------------------------------------------------------------------------------------------
 
 from engine.errors import ArgumentParser, check_output_file, positive, run_main  # noqa: E402
-from tools import bench_pool, bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
+from tools import bench_attention, bench_pool, bench_reshard, bench_step  # noqa: E402  (ROOT is on sys.path above)
 
 SUBCOMMANDS = {
     "step": (bench_step.add_arguments, bench_step.run),
     "reshard": (bench_reshard.add_arguments, bench_reshard.run),
     "kernels": (add_kernels_args, run_kernels),
     "pool": (bench_pool.add_arguments, bench_pool.run),
+    "attention": (bench_attention.add_arguments, bench_attention.run),
 }
 
 

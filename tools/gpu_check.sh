@@ -13,6 +13,8 @@
 #                 runs under torch's profiler (global_profiler): grpo/step2_rank0.txt
 #   4. benchmark  tools/benchmark.py step on the largest dense model that fits one GPU in a few
 #                 minutes: tokens/s/GPU, MFU (whole step and actor update), peak memory, phases
+#   5. attention  tools/benchmark.py attention: packed attention under Trident's SDPA order and
+#                 cuDNN first, lengths new at every call and fixed (tools/bench_attention.py)
 #
 # The whole run ends inside BUDGET seconds (9 minutes) even when every step hits its limit: a
 # step's limit is cut to what is left of the budget, and a step with too little left is skipped.
@@ -31,13 +33,13 @@ cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-python3}"
 OUT="${GPU_CHECK_OUT:-gpu-check}"
 CKPT="${GPU_CHECK_CKPT:-gpu-check-ckpt}"
-STEPS="${GPU_CHECK_STEPS:-env pytest grpo benchmark}"
+STEPS="${GPU_CHECK_STEPS:-env pytest grpo benchmark attention}"
 read -r -a GRPO_ARGS <<< "${GPU_CHECK_GRPO_ARGS:-}"
 GPU_TESTS="tests/test_kernels_logprob.py tests/gpu"  # every file with a gpu-marked test, quick ones first
 BUDGET=510          # seconds for the steps: with the report (20 s + kill), under 9 minutes
 KILL_AFTER=5        # seconds a timed-out command gets after SIGTERM before SIGKILL
 TEST_TIMEOUT=120    # seconds per gpu test (pytest-timeout): a spawned one starts CUDA per rank, twice
-STEP_TIMEOUTS="env=20 pytest=250 grpo=180 benchmark=110"  # seconds, each cut to what is left;
+STEP_TIMEOUTS="env=20 pytest=250 grpo=180 benchmark=110 attention=40"  # seconds, each cut to what is left;
 # grpo: 99 s after the pytest step; alone (second H200 run) it finished its 2 steps but ran past 130 s
 START=$(date +%s)
 
@@ -116,8 +118,9 @@ if has megatron.core; then
     cp "$CKPT"/profile/*.txt "$OUT/grpo/" 2>/dev/null
     step benchmark "$PY" tools/benchmark.py step --workload gpu --nproc 1 --steps 2 --warmup 1 \
         --json "$OUT/benchmark.json" "actor_rollout_ref.rollout.name=$rollout"
+    step attention "$PY" tools/benchmark.py attention --json "$OUT/attention.json"
 else
-    for name in pytest grpo benchmark; do
+    for name in pytest grpo benchmark attention; do
         wanted "$name" && skip "$name" "megatron-core is not importable: put its wheel in .whl/ (make gpu-wheels PYVER=3.12)"
     done
 fi

@@ -123,6 +123,17 @@ def _benchmark_detail(out_dir):
     return b, detail
 
 
+def _attention_detail(out_dir):
+    path = os.path.join(out_dir, "attention.json")
+    if not os.path.exists(path):
+        return {}, "no attention.json"
+    a = json.load(open(path))
+    ms, ratios = a.get("ms_per_call", {}), a.get("ratios", {})
+    detail = ", ".join(f"{case} {ms.get(case + '/trident', 0):.2f} ms ({ratios.get(case, 0):.2f}x cuDNN first)"
+                       for case in ("varied", "fixed"))
+    return a, f"packed fwd+bwd: {detail}"
+
+
 def report(out_dir):
     checks, extra = [], {}
     for name, rc, seconds, rest in _steps(out_dir):
@@ -148,6 +159,8 @@ def report(out_dir):
             status = "pass" if ok else "fail"
         if name == "benchmark" and rc == "0":
             extra["benchmark"], detail = _benchmark_detail(out_dir)
+        if name == "attention" and rc == "0":
+            extra["attention"], detail = _attention_detail(out_dir)
         checks.append(dict(check=name, status=status, detail=detail, seconds=seconds))
     env = json.load(open(os.path.join(out_dir, "env.json"))) if os.path.exists(
         os.path.join(out_dir, "env.json")) else {}

@@ -135,9 +135,11 @@ class CoreAttention(torch.nn.Module):
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
+    sdpa_order = None  # None: CUDA_SDPA_ORDER (tools/bench_attention.py times another)
+
     def _sdpa(self, q, k, v, mask=None):
         """[b, heads, s, d] attention; grouped-query heads are shared, not copied."""
-        with cuda_sdpa_order(q):
+        with cuda_sdpa_order(q, self.sdpa_order):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
                 dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
@@ -180,11 +182,11 @@ CUDA_SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
 
 
-def cuda_sdpa_order(tensor):
-    """The context SDPA runs in: CUDA_SDPA_ORDER on a CUDA tensor; torch's own choice elsewhere
-    (the CPU keeps its kernels and results)."""
+def cuda_sdpa_order(tensor, order=None):
+    """The context SDPA runs in: `order` (default CUDA_SDPA_ORDER) on a CUDA tensor; torch's own
+    choice elsewhere (the CPU keeps its kernels and results)."""
     if tensor.is_cuda:
-        return sdpa_kernel(CUDA_SDPA_ORDER, set_priority=True)
+        return sdpa_kernel(order or CUDA_SDPA_ORDER, set_priority=True)
     return contextlib.nullcontext()
 
 
