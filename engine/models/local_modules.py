@@ -124,25 +124,25 @@ class CoreAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.k_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    sdpa_order = None  # None: CUDA_SDPA_ORDER (tools/bench_attention.py times another)
+
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
-        if packed_seq_params is not None:
-            return self._packed(query, key, value, packed_seq_params)
-        # [s, b, h, d] -> [b, h, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask = None if attention_mask is None else ~attention_mask
-        out = self._sdpa(q, k, v, mask)
+        with cuda_sdpa_order(query, self.sdpa_order):  # once per call, not per length group
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params)
+            # [s, b, h, d] -> [b, h, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            mask = None if attention_mask is None else ~attention_mask
+            out = self._sdpa(q, k, v, mask)
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
-    sdpa_order = None  # None: CUDA_SDPA_ORDER (tools/bench_attention.py times another)
-
     def _sdpa(self, q, k, v, mask=None):
         """[b, heads, s, d] attention; grouped-query heads are shared, not copied."""
-        with cuda_sdpa_order(q, self.sdpa_order):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
-                dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
 
     def _packed(self, query, key, value, params):
         """THD: [t, heads, dim] with sequences back to back; causal within each sequence.
