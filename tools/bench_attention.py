@@ -14,7 +14,6 @@ Tests: tests/test_benchmark_json.py
 import statistics
 import time
 
-ORDERS = ("trident", "cudnn_first")
 CASES = ("varied", "fixed")
 
 

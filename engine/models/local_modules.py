@@ -14,8 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.mlp import MLP
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class Norm(torch.nn.Module):

@@ -201,7 +201,8 @@ class MegatronWorker:
                                   ddp_grads=optim_cfg is not None and strategy == "megatron", **recompute)
         self.config = self.chunks[0].config
         self.optimizer = self.scheduler = None
-        self._offloaders = {s: Offloader() for s in ("params", "grads", "optimizer")}
+        held = ("params", "grads", "optimizer") if optim_cfg is not None else ("params",)  # ref: params
+        self._offloaders = {s: Offloader() for s in held}
         self.sharded = strategy != "megatron"  # parallel/fsdp.py: parameters sharded over DP
         if self.sharded:
             fsdp.check_layout(lora)
@@ -401,8 +402,7 @@ class MegatronWorker:
         for state, offloader in self._offloaders.items():
             if state in states and offloader.offloaded:
                 offloader.reload()
-            elif state not in states and not offloader.offloaded and (
-                    state == "params" or self.optimizer is not None):  # the reference: params only
+            elif state not in states and not offloader.offloaded:
                 params = model_params(self.chunks) if params is None else params
                 offloader.offload(self.state_tensors(state), keep=[] if state == "params" else params)
 
