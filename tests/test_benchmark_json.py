@@ -240,9 +240,12 @@ def test_rounds_take_turns_at_running_first():
 
 def test_attention_json_times_both_orders_on_both_kinds_of_batch(tmp_path):
     """tools/benchmark.py attention at a tiny size. On the CPU the SDPA order does not apply, the
-    plumbing does: every case x order timed, each ratio the quotient of its two timings."""
+    plumbing does: every case x order timed, each ratio the quotient of its two timings; a row
+    ends at --row-seconds once it has 3 timed calls (cuDNN's plan builds can take minutes)."""
     report = _bench(tmp_path, "attention", "--tokens", "96", "--heads", "4", "--kv-heads", "2",
-                    "--head-dim", "8", "--longest", "20", "--calls", "2")
+                    "--head-dim", "8", "--longest", "20", "--calls", "50", "--row-seconds", "1e-6")
+    assert set(report["calls"].values()) == {3}, report["calls"]
+    assert all(t > 0 for t in report["warmup_ms"].values())
     assert (report["device"], report["tokens"], report["kv_heads"]) == ("cpu", 96, 2)
     ms = report["ms_per_call"]
     assert set(ms) == {f"{case}/{order}" for case in ("varied", "fixed")

@@ -25,6 +25,9 @@ def add_arguments(parser):
     parser.add_argument("--head-dim", type=positive(int, "the head size, e.g. 128"), default=128)
     parser.add_argument("--longest", type=positive(int, "the longest sequence, e.g. 1024"), default=1024)
     parser.add_argument("--calls", type=positive(int, "timed calls per row, e.g. 20"), default=20)
+    parser.add_argument("--row-seconds", type=positive(float, "seconds per row, e.g. 6"), default=6.0,
+                        help="a row stops after this long (at least 3 timed calls): cuDNN's plan "
+                             "builds for new lengths can take far longer than the attention")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
 
 
@@ -74,30 +77,35 @@ def run(args):
         if device == "cuda":
             torch.cuda.synchronize()
 
-    results = {}
+    results, counts, warmup = {}, {}, {}
     for case in CASES:
         for order, backends in _orders().items():
             attention = CoreAttention(config, 1, AttnMaskType.causal).train()
             attention.sdpa_order = backends
             # the varied case draws its lengths from the same seed for both orders
             draw = torch.Generator().manual_seed(1)
-            times = []
+            times, warmups, began = [], [], time.perf_counter()
             for call in range(1 + args.calls):  # the first call warms up
                 lengths = fixed if case == "fixed" else _lengths(args.tokens, args.longest, draw)
                 sync()
                 start = time.perf_counter()
                 attention(q, k, v, packed_seq_params=params(lengths)).backward(grad)
                 sync()
-                if call:
-                    times.append(time.perf_counter() - start)
+                (times.append if call else warmups.append)(time.perf_counter() - start)
+                if len(times) >= 3 and time.perf_counter() - began > args.row_seconds:
+                    break
             results[f"{case}/{order}"] = statistics.median(times) * 1e3
+            counts[f"{case}/{order}"], warmup[f"{case}/{order}"] = len(times), warmups[0] * 1e3
+            # each row as it ends: a step killed at its time limit still shows the rows it ran
+            print(f"  row {case}/{order}: median {results[f'{case}/{order}']:.2f} ms of {len(times)} "
+                  f"calls, warm-up call {warmups[0] * 1e3:.0f} ms", flush=True)
     report = {"device": device, "dtype": args.dtype, "tokens": args.tokens, "heads": args.heads,
               "kv_heads": args.kv_heads, "head_dim": args.head_dim, "longest": args.longest,
-              "calls": args.calls, "ms_per_call": results,
+              "calls": counts, "ms_per_call": results, "warmup_ms": warmup,
               "ratios": {case: results[f"{case}/trident"] / results[f"{case}/cudnn_first"]
                          for case in CASES}}
     print(f"attention: {args.tokens} tokens packed, {args.heads}/{args.kv_heads} heads x "
-          f"{args.head_dim}, {args.dtype}, on {device}; forward + backward, median of {args.calls}")
+          f"{args.head_dim}, {args.dtype}, on {device}; forward + backward, median per row")
     print(f"  {'case':<8}{'trident (ms)':>14}{'cudnn first (ms)':>18}{'ratio':>8}")
     for case in CASES:
         print(f"  {case:<8}{results[case + '/trident']:>14.2f}{results[case + '/cudnn_first']:>18.2f}"

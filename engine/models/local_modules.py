@@ -9,6 +9,7 @@ Tests: tests/test_fusions.py, tests/test_layouts.py, tests/test_step_overhead.py
 tests/gpu/test_attention_gpu.py
 """
 import contextlib
+import functools
 import math
 
 import torch
@@ -186,8 +187,24 @@ def cuda_sdpa_order(tensor, order=None):
     """The context SDPA runs in: `order` (default CUDA_SDPA_ORDER) on a CUDA tensor; torch's own
     choice elsewhere (the CPU keeps its kernels and results)."""
     if tensor.is_cuda:
+        settle_torch_default_order(tensor.device)
         return sdpa_kernel(order or CUDA_SDPA_ORDER, set_priority=True)
     return contextlib.nullcontext()
+
+
+@functools.cache
+def settle_torch_default_order(device):
+    """Let torch set its own default SDPA order before any context of ours sets one.
+
+    torch fills in its default order lazily, at the first SDPA call of the process
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority_order): on an H100 / H200 with
+    a recent cuDNN it then writes cuDNN first into the global order, over the order a context
+    set. Were that first call ours, cuDNN would run for the whole call (the first H200 run of
+    tests/gpu/test_attention_gpu.py). One tiny call under the math backend (no plan, no order
+    of ours) triggers it; torch's default stays torch's for code outside our context."""
+    x = torch.zeros(1, 1, 1, 8, device=device)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(x, x, x)
 
 
 def length_groups(params, device):

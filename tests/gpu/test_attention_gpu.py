@@ -4,6 +4,9 @@ flash, memory-efficient or math, never cuDNN's (on the first H200 run its plan b
 ~1.3 ms of host time per call: 4.2 s of a 5.5 s GRPO step's actor passes). And it must still
 equal causal attention written out per sequence, values and gradients."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,6 +31,21 @@ def _implementations(fn):
 @pytest.mark.parametrize("kv_heads", [8, 2])  # plain and grouped-query heads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_attention_runs_without_cudnn_plans(dtype, kv_heads):
+    check_packed_attention(dtype, kv_heads)
+
+
+def test_the_first_attention_call_of_a_process_runs_without_cudnn_plans():
+    """torch sets its default SDPA order at the first SDPA call of a process, cuDNN first on an
+    H200, over the order a context set (sdp_utils.cpp priority_order): the first H200 run saw
+    cuDNN in the first case above only. So the first call, in a fresh process, on its own."""
+    script = ("import torch; from tests.gpu.test_attention_gpu import check_packed_attention; "
+              "check_packed_attention(torch.bfloat16, 8)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def check_packed_attention(dtype, kv_heads):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
