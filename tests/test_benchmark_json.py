@@ -58,6 +58,8 @@ def test_step_baseline_json_times_the_same_phases_as_trident(tmp_path):
     assert set(report["phases_s"]) >= {"gen", "old_log_prob", "ref", "update_actor", "update_weights"}
     assert set(base["phases_s"]) == {"gen", "old_log_prob", "ref", "update_actor", "update_weights", "other"}
     assert base["phases_s"]["update_weights"] == 0.0  # the loop generates with the trained model
+    # one rank: every core on both sides (the trainer's parallel/cpu.py threads_per_process)
+    assert base["threads"] == os.cpu_count()
     assert all(base["phases_s"][p] > 0 for p in ("gen", "old_log_prob", "ref", "update_actor"))
     assert sum(base["phases_s"].values()) == pytest.approx(base["step_s"], rel=0.05)
     for phase, seconds in base["phases_s"].items():

@@ -1,8 +1,8 @@
 """A plain transformers GRPO loop doing the same work as one Trident step, for comparison.
 
-Per step and per rank (its share of the prompts, 1 thread, no gradient sync — which favours
-the baseline): `model.generate` with a KV cache, the old log-probs and the reference log-probs
-(full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
+Per step and per rank (its share of the prompts, the trainer's threads per rank, no gradient
+sync — which favours the baseline): `model.generate` with a KV cache, the old log-probs and the
+reference log-probs (full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
 Trident's step is on-policy and takes the old log-probs from the update's forward
 (`Derived.step.reuse_old_log_prob`), the baseline does the same, so both do the same work.
 
@@ -28,8 +28,11 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
     from engine.metrics import page_faults
     from engine.tasks import make_builtin_task
     from engine.loading import load_hf_config
+    from parallel.cpu import threads_per_process
 
-    torch.set_num_threads(1)
+    # the trainer's threads per rank (engine/train.py): the node's cores over the ranks, so one
+    # rank alone gets every core on both sides, not on Trident's only
+    torch.set_num_threads(threads_per_process({"LOCAL_WORLD_SIZE": str(nproc)}, os.cpu_count()))
     torch.manual_seed(rank)
     cfg = load_config(recipe, list(overrides) + [f"trainer.n_gpus_per_node={nproc}"])
     d = derive(cfg, nproc, dataset_len=10_000)
@@ -107,6 +110,7 @@ def _worker(rank, nproc, recipe, overrides, steps, out):
         lap("update_actor")
         phases["step"], phases["cpu/step"] = time.perf_counter() - t0, time.process_time() - c0
         phases["faults/step"] = page_faults() - f0
+        phases["threads"] = torch.get_num_threads()
         times.append(phases)
     out.put((rank, times))
 

@@ -313,6 +313,8 @@ def compare_baseline(summary, base):
         out["baseline"].update(cpu_step_s=cpu_base["step"], cpu_phases_s=phases)
         out.update(cpu_ratios=ratios, compared_cpu_phases_s=trident,
                    cpu_speedup_vs_transformers=cpu_base["step"] / summary["cpu_step_s"])
+    if "threads" in base:  # intra-op threads per rank (the trainer's: parallel/cpu.py)
+        out["baseline"]["threads"] = int(base["threads"])
     faults = {k[7:]: v for k, v in base.items() if k.startswith("faults/")}
     if faults:
         out["baseline"]["page_faults"] = faults
