@@ -194,15 +194,25 @@ def _mlp_pair():
         out, bias = mlp(xi)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append((out.detach(), bias, xi.grad, [p.grad for p in mlp.parameters()]))
+    with torch.no_grad(), torch.profiler.profile() as prof:  # a forward-only pass (reference)
+        forward_only = ours(x)[0]
+    products = sum(e.count for e in prof.key_averages() if e.key == "aten::mm")
+    with torch.no_grad():
+        forward_only_theirs = theirs(x)[0]
     built = build_model(tiny_config("llama"))[0]
-    return results, {type(m).__name__ for m in built.modules() if isinstance(m, MLP)}
+    return (results, {type(m).__name__ for m in built.modules() if isinstance(m, MLP)},
+            (forward_only, forward_only_theirs, products))
 
 
 def test_the_gated_mlp_is_megatrons_swiglu_mlp():
     """GatedMLP (one autograd function for SwiGLU) against Megatron's MLP on the same weights:
-    the same output and the same input and weight gradients; the local spec builds it."""
+    the same output and the same input and weight gradients; the local spec builds it. Without
+    gradients on the CPU it runs fc1's gate and up halves as two products (three with fc2's),
+    with Megatron's output still."""
     from tests.multirank import run_on_ranks
-    ((ours, theirs), swapped), = run_on_ranks(_mlp_pair, 1)
+    ((ours, theirs), swapped, (forward_only, forward_only_theirs, products)), = run_on_ranks(_mlp_pair, 1)
+    torch.testing.assert_close(forward_only, forward_only_theirs, rtol=1e-6, atol=1e-6)
+    assert products == 3
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)
     assert ours[1] is None and theirs[1] is None
     torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-6)

@@ -14,6 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,9 +88,24 @@ class GatedMLP(MLP):
                 and not c.bias_activation_fusion and c.activation_func_clamp_value is None
                 and not c.glu_linear_offset)
 
+    def _halves_apart(self, x):
+        """Whether fc1 runs as its gate and up halves, two products: a forward without
+        gradients (reference, old log-probs, values) on the CPU, one TP rank, Megatron's plain
+        linear without bias. There the one [2F]-wide product runs ~7 % slower in place than two
+        [F]-wide ones, and silu / mul then read contiguous halves: the forward ~5 % faster, at
+        parity with transformers' (README, stop 41). On a GPU one wide GEMM is the better kernel;
+        training keeps Megatron's linear (its gradient into main_grad, TP / SP)."""
+        fc1 = self.linear_fc1
+        return (not torch.is_grad_enabled() and x.device.type == "cpu"
+                and type(fc1) is ColumnParallelLinear and fc1.bias is None
+                and fc1.tp_group.size() == 1)
+
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None or not self._plain_swiglu():
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        if self._halves_apart(hidden_states):
+            gate, up = self.linear_fc1.weight.chunk(2)  # row blocks: contiguous views
+            return self.linear_fc2(F.silu(F.linear(hidden_states, gate)).mul_(F.linear(hidden_states, up)))
         hidden, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             hidden = hidden + bias
