@@ -94,11 +94,12 @@ class GatedMLP(MLP):
         linear without bias. There the one [2F]-wide product runs ~7 % slower in place than two
         [F]-wide ones, and silu / mul then read contiguous halves: the forward ~5 % faster, at
         parity with transformers' (README, stop 41). On a GPU one wide GEMM is the better kernel;
-        training keeps Megatron's linear (its gradient into main_grad, TP / SP)."""
+        training keeps Megatron's linear (its gradient into main_grad, TP / SP). A linear with
+        hooks (LoRA's adapter: engine/models/lora.py) runs as itself: the halves would skip them."""
         fc1 = self.linear_fc1
         return (not torch.is_grad_enabled() and x.device.type == "cpu"
                 and type(fc1) is ColumnParallelLinear and fc1.bias is None
-                and fc1.tp_group.size() == 1)
+                and not (fc1._forward_hooks or fc1._forward_pre_hooks) and fc1.tp_group.size() == 1)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None or not self._plain_swiglu():
