@@ -84,21 +84,24 @@ def run(args):
             attention.sdpa_order = backends
             # the varied case draws its lengths from the same seed for both orders
             draw = torch.Generator().manual_seed(1)
-            times, warmups, began = [], [], time.perf_counter()
+            times, began = [], time.perf_counter()
             for call in range(1 + args.calls):  # the first call warms up
                 lengths = fixed if case == "fixed" else _lengths(args.tokens, args.longest, draw)
                 sync()
                 start = time.perf_counter()
                 attention(q, k, v, packed_seq_params=params(lengths)).backward(grad)
                 sync()
-                (times.append if call else warmups.append)(time.perf_counter() - start)
+                if call:
+                    times.append(time.perf_counter() - start)
+                else:
+                    warmup[f"{case}/{order}"] = (time.perf_counter() - start) * 1e3
                 if len(times) >= 3 and time.perf_counter() - began > args.row_seconds:
                     break
             results[f"{case}/{order}"] = statistics.median(times) * 1e3
-            counts[f"{case}/{order}"], warmup[f"{case}/{order}"] = len(times), warmups[0] * 1e3
+            counts[f"{case}/{order}"] = len(times)
             # each row as it ends: a step killed at its time limit still shows the rows it ran
             print(f"  row {case}/{order}: median {results[f'{case}/{order}']:.2f} ms of {len(times)} "
-                  f"calls, warm-up call {warmups[0] * 1e3:.0f} ms", flush=True)
+                  f"calls, warm-up call {warmup[f'{case}/{order}']:.0f} ms", flush=True)
     report = {"device": device, "dtype": args.dtype, "tokens": args.tokens, "heads": args.heads,
               "kv_heads": args.kv_heads, "head_dim": args.head_dim, "longest": args.longest,
               "calls": counts, "ms_per_call": results, "warmup_ms": warmup,

@@ -2,8 +2,8 @@
 
 Per step and per rank (its share of the prompts, the trainer's threads per rank, no gradient
 sync — which favours the baseline): `model.generate` with a KV cache, the old log-probs and the
-reference log-probs (full-logits forwards), then forward + backward + Adam over the same mini/micro-batches. When
-Trident's step is on-policy and takes the old log-probs from the update's forward
+reference log-probs (full-logits forwards), then forward + backward + Adam over the same
+mini/micro-batches. When Trident's step is on-policy and takes the old log-probs from the update's forward
 (`Derived.step.reuse_old_log_prob`), the baseline does the same, so both do the same work.
 
 Each step is timed phase by phase under Trident's phase names (gen, old_log_prob, ref,
