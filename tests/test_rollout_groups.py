@@ -113,14 +113,25 @@ def test_one_sglang_engine_per_group_through_the_trainer(tmp_path):
 
 
 def _cpu_rollout_tp(rollout_tp, tmp):
+    import torch.distributed as dist
     t = _trainer(2, [f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}"], tmp)
     prompts = t.loader.next_batch()
-    t.ctx.sync_weights()
+    barrier, barriers = dist.barrier, []  # the group of each barrier of the sync (None: the world)
+
+    def counted(group=None, **kwargs):
+        barriers.append(None if group is None else dist.get_world_size(group))
+        return barrier(group=group, **kwargs)
+    dist.barrier = counted
+    try:
+        t.ctx.sync_weights()
+    finally:
+        dist.barrier = barrier
     batch = t.ctx.generate(prompts, t.ctx.sampling(train=True))
     holds = t.rollout.engine is not None
     t.colocated.to_training()
     return dict(responses=batch["responses"].tolist(), logps=batch["rollout_log_probs"].tolist(),
-                uids=list(batch["uid"]), holds_engine=holds, route_bytes=t.rollout.route_bytes)
+                uids=list(batch["uid"]), holds_engine=holds, route_bytes=t.rollout.route_bytes,
+                barriers=barriers)
 
 
 def test_cpu_rollout_tp2_draws_the_same_responses_as_tp1(tmp_path):
@@ -128,6 +139,10 @@ def test_cpu_rollout_tp2_draws_the_same_responses_as_tp1(tmp_path):
     two = run_on_ranks(_cpu_rollout_tp, 2, 2, str(tmp_path))
     assert [r["holds_engine"] for r in one] == [True, True]
     assert [r["holds_engine"] for r in two] == [True, False]  # the member holds no rollout model
+    # memory moves meet within the engine's group only: an engine per rank waits for no one,
+    # a TP 2 engine's two ranks meet around each resume (weights, KV cache), never the world
+    assert [r["barriers"] for r in one] == [[], []]
+    assert [r["barriers"] for r in two] == [[2, 2, 2, 2]] * 2
     for a, b in zip(one, two):
         assert a["uids"] == b["uids"]
         assert a["responses"] == b["responses"]

@@ -93,6 +93,9 @@ class _Solo:
     def resume_memory(self, tags=None):
         self.engine.resume_memory(tags)
 
+    def barrier(self):  # a group of one waits for no one
+        pass
+
 
 def as_group(rollout):
     """A rollout group (or None: the rollout lives on other ranks, a separate pool)."""
@@ -102,19 +105,14 @@ def as_group(rollout):
 _RELEASED = weakref.WeakSet()  # engines given back by hand_back: a HybridEngine starts with none of their memory
 
 
-def _barrier():
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def hand_back(rollout) -> None:
     """Collective: an engine just built on a device training has not used yet gives all its memory
-    back (weights, KV cache, CUDA graphs) before the training models are placed; every rank waits,
-    so no rank allocates while an engine's worker on its GPU still holds its share."""
-    as_group(rollout).release_memory(None)
+    back (weights, KV cache, CUDA graphs) before the training models are placed; every rank of its
+    group waits, so no rank allocates while an engine's worker on its GPU still holds its share."""
+    group = as_group(rollout)
+    group.release_memory(None)
     _RELEASED.add(rollout)
-    _barrier()
+    group.barrier()
 
 
 def sync_plan(chunks):
@@ -216,12 +214,13 @@ class HybridEngine:
         for tag in ROLLOUT_MEMORY:  # weights before the KV cache
             if tag in wanted and tag not in self.rollout_memory:
                 # what training freed is torch's cache until handed back to the device; every rank
-                # hands it back before the leader's engine resumes on the group's GPUs, and waits
-                # until it has (collective: every rank runs the same schedule)
+                # of the group hands it back before the leader's engine resumes on the group's
+                # GPUs, and waits until it has (collective within the group: GPUs of other
+                # groups hold none of this engine's memory)
                 device_memory.return_to_device()
-                _barrier()
+                self.rollout.barrier()
                 self.rollout.resume_memory([tag])
-                _barrier()
+                self.rollout.barrier()
         self.rollout_memory = set(wanted)
 
     def _models_to(self, phase):

@@ -185,6 +185,13 @@ class GroupedRollout:
         if self.calls_engine:
             self.engine.resume_memory(tags)
 
+    def barrier(self) -> None:
+        """Collective within the group: its ranks are the GPUs its engine's workers run on, so
+        they alone meet around a memory move; a group of one rank (an engine per GPU) waits for
+        no one, and no step waits on the whole world."""
+        if self._group_pg is not None:
+            dist.barrier(group=self._group_pg)
+
     # -- generation ------------------------------------------------------------------------
     def generate_for_replicas(self, prompt_ids: list, keys: list, sampling: SamplingParams,
                               generate=None) -> dict:
