@@ -200,17 +200,49 @@ def _mlp_pair():
     with torch.no_grad():
         forward_only_theirs = theirs(x)[0]
     built = build_model(tiny_config("llama"))[0]
+    # training with Megatron's gradient-accumulation fusion (parallel/cpu.py's stand-in): weight
+    # gradients added into main_grad over two micro-batches, DDP's flag set
+    fused = TransformerConfig(**{**{f: getattr(config, f) for f in ("num_layers", "hidden_size",
+                                 "ffn_hidden_size", "num_attention_heads", "gated_linear_unit",
+                                 "activation_func", "add_bias_linear", "use_cpu_initialization")},
+                                 "gradient_accumulation_fusion": True})
+    ours_f, theirs_f = GatedMLP(fused, subs), MLP(fused, subs)
+    theirs_f.load_state_dict(ours.state_dict())
+    ours_f.load_state_dict(ours.state_dict())
+    accumulated = []
+    for mlp in (ours_f, theirs_f):
+        torch.manual_seed(1)
+        for p in mlp.parameters():
+            p.main_grad, p.grad_added_to_main_grad = torch.randn_like(p), False
+        with torch.profiler.profile() as prof:
+            for _ in range(2):
+                xi = torch.randn(5, 2, 16, requires_grad=True)
+                out, _ = mlp(xi)
+                out.backward(torch.randn_like(out))
+        accumulated.append(([p.main_grad for p in mlp.parameters()],
+                            [p.grad_added_to_main_grad for p in mlp.parameters()], xi.grad,
+                            sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm_"))))
     return (results, {type(m).__name__ for m in built.modules() if isinstance(m, MLP)},
-            (forward_only, forward_only_theirs, products))
+            (forward_only, forward_only_theirs, products), accumulated)
 
 
 def test_the_gated_mlp_is_megatrons_swiglu_mlp():
     """GatedMLP (one autograd function for SwiGLU) against Megatron's MLP on the same weights:
     the same output and the same input and weight gradients; the local spec builds it. Without
     gradients on the CPU it runs fc1's gate and up halves as two products (three with fc2's),
-    with Megatron's output still."""
+    with Megatron's output still; in training too, its weight gradients added into main_grad as
+    Megatron's fused linear adds them."""
     from tests.multirank import run_on_ranks
-    ((ours, theirs), swapped, (forward_only, forward_only_theirs, products)), = run_on_ranks(_mlp_pair, 1)
+    ((ours, theirs), swapped, (forward_only, forward_only_theirs, products), accumulated), = \
+        run_on_ranks(_mlp_pair, 1)
+    (grads, flags, dx, ops), (grads_theirs, flags_theirs, dx_theirs, ops_theirs) = accumulated
+    for a, b in zip(grads, grads_theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert flags == flags_theirs == [True, True]
+    torch.testing.assert_close(dx, dx_theirs, rtol=1e-6, atol=1e-6)
+    # per micro-batch: fc1 as 2 forward products, 2 input-gradient and 2 weight-gradient ones,
+    # against Megatron's 1 + 1 + 1; fc2's 3 on both sides
+    assert (ops, ops_theirs) == (2 * 9, 2 * 6)
     torch.testing.assert_close(forward_only, forward_only_theirs, rtol=1e-6, atol=1e-6)
     assert products == 3
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-6, atol=1e-6)

@@ -89,28 +89,76 @@ class GatedMLP(MLP):
                 and not c.glu_linear_offset)
 
     def _halves_apart(self, x):
-        """Whether fc1 runs as its gate and up halves, two products: a forward without
-        gradients (reference, old log-probs, values) on the CPU, one TP rank, Megatron's plain
-        linear without bias. There the one [2F]-wide product runs ~7 % slower in place than two
-        [F]-wide ones, and silu / mul then read contiguous halves: the forward ~5 % faster, at
-        parity with transformers' (README, stop 41). On a GPU one wide GEMM is the better kernel;
-        training keeps Megatron's linear (its gradient into main_grad, TP / SP). A linear with
-        hooks (LoRA's adapter: engine/models/lora.py) runs as itself: the halves would skip them."""
+        """Whether fc1 runs as its gate and up halves, two products: on the CPU, one TP rank,
+        Megatron's plain linear without bias, in a forward without gradients (reference, old
+        log-probs, values) or, in training, with its weight trained (`HalvesSwiGLU`). There the
+        one [2F]-wide product runs ~7 % slower in place than two [F]-wide ones, and silu / mul
+        then read contiguous halves: the forward ~5 % faster, at parity with transformers'
+        (README, stop 41). On a GPU one wide GEMM is the better kernel, and TP / SP keep
+        Megatron's linear. A linear with hooks (LoRA's adapter: engine/models/lora.py) runs as
+        itself: the halves would skip them."""
         fc1 = self.linear_fc1
-        return (not torch.is_grad_enabled() and x.device.type == "cpu"
-                and type(fc1) is ColumnParallelLinear and fc1.bias is None
-                and not (fc1._forward_hooks or fc1._forward_pre_hooks) and fc1.tp_group.size() == 1)
+        if not (x.device.type == "cpu" and type(fc1) is ColumnParallelLinear and fc1.bias is None
+                and not (fc1._forward_hooks or fc1._forward_pre_hooks) and fc1.tp_group.size() == 1):
+            return False
+        return not torch.is_grad_enabled() or (fc1.weight.requires_grad and not fc1.sequence_parallel
+                                               and not self.config.defer_embedding_wgrad_compute)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None or not self._plain_swiglu():
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
         if self._halves_apart(hidden_states):
-            gate, up = self.linear_fc1.weight.chunk(2)  # row blocks: contiguous views
+            fc1 = self.linear_fc1
+            if torch.is_grad_enabled():
+                return self.linear_fc2(HalvesSwiGLU.apply(hidden_states, fc1.weight,
+                                                          fc1.gradient_accumulation_fusion))
+            gate, up = fc1.weight.chunk(2)  # row blocks: contiguous views
             return self.linear_fc2(F.silu(F.linear(hidden_states, gate)).mul_(F.linear(hidden_states, up)))
         hidden, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             hidden = hidden + bias
         return self.linear_fc2(SwiGLU.apply(hidden))
+
+
+class HalvesSwiGLU(torch.autograd.Function):
+    """silu(x W_gate^T) * (x W_up^T) for fc1's weight W = [W_gate; W_up] on one TP rank, as two
+    products on the weight's row halves, with Megatron's weight-gradient contract
+    (tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication): with
+    gradient-accumulation fusion the weight gradient is added into `weight.main_grad` (here
+    each half by one addmm into its rows), and a weight carrying `grad_added_to_main_grad`
+    gets it set and an unused placeholder gradient, so the DDP hook adds nothing twice."""
+
+    @staticmethod
+    def forward(ctx, x, weight, accumulate):
+        flat = x.reshape(-1, x.shape[-1])
+        w_gate, w_up = weight.chunk(2)
+        gate, up = F.linear(flat, w_gate), F.linear(flat, w_up)
+        act = F.silu(gate)
+        ctx.save_for_backward(flat, weight, gate, up, act)
+        ctx.accumulate, ctx.shape = accumulate and hasattr(weight, "main_grad"), x.shape
+        return (act * up).view(*x.shape[:-1], up.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, weight, gate, up, act = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        d_up = grad * act
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        w_gate, w_up = weight.chunk(2)
+        dx = torch.mm(d_gate, w_gate).addmm_(d_up, w_up)
+        if not ctx.accumulate:
+            return dx.view(ctx.shape), torch.cat([d_gate.t().mm(flat), d_up.t().mm(flat)]), None
+        for rows, d in zip(weight.main_grad.chunk(2), (d_gate, d_up)):
+            if rows.dtype == d.dtype:
+                rows.addmm_(d.t(), flat)
+            else:  # bf16 / fp16 activations into an fp32 buffer, as parallel/cpu.py's stand-in
+                rows.add_(d.t().mm(flat))
+        grad_weight = None
+        if hasattr(weight, "grad_added_to_main_grad"):
+            new = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            grad_weight = new(weight.main_grad.shape, dtype=flat.dtype, device=flat.device)
+            weight.grad_added_to_main_grad = True
+        return dx.view(ctx.shape), grad_weight, None
 
 
 def use_gated_mlp(model):
