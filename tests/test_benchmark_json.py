@@ -255,3 +255,20 @@ def test_attention_json_times_both_orders_on_both_kinds_of_batch(tmp_path):
     assert all(t > 0 for t in ms.values())
     for case in ("varied", "fixed"):
         assert report["ratios"][case] == pytest.approx(ms[f"{case}/trident"] / ms[f"{case}/cudnn_first"])
+
+
+def test_baseline_sync_trains_one_model_over_the_ranks():
+    """--baseline-sync: the loop's two ranks start from one model and all-reduce each
+    mini-batch's gradients, so they end with the same weights on different data; without it
+    each rank trains its own (the default: no gradient sync)."""
+    from tools.bench_baseline import run_baseline
+    from tools.bench_step import DEMO
+    tiny = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "data.max_response_length=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    synced = run_baseline(DEMO, tiny, 2, 1, grad_sync=True)
+    assert synced["grad_sync"] == 1 and synced["same_weights"]
+    alone = run_baseline(DEMO, tiny, 2, 1)
+    assert alone["grad_sync"] == 0 and not alone["same_weights"]
+    # a rank that fails (here: a micro-batch that does not divide its mini-batch) ends the run
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[[01, ]+\] failed"):
+        run_baseline(DEMO, tiny[:-1], 2, 1)

@@ -77,6 +77,10 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--baseline", action="store_true",
                         help="also time a plain transformers loop doing the same work")
+    parser.add_argument("--baseline-sync", action="store_true",
+                        help="with --baseline: the loop's ranks train one model (each mini-batch's gradients "
+                             "all-reduced, as Trident's), not one model each: both sides then pay for data "
+                             "parallelism")
     parser.add_argument("--rounds", type=positive(int, "the rounds of Trident and the loop, e.g. 3"), default=1,
                         help="with --baseline: run Trident and the loop this many times, each side first in "
                              "every other round, and report each round's ratios and their median (a machine "
@@ -201,6 +205,8 @@ def check(args):
                          "nor a recipe file; pick one of those or give a recipe path")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup} must be >= 0")
+    if args.baseline_sync and not args.baseline:
+        raise UsageError("--baseline-sync changes the plain loop: add --baseline or drop --baseline-sync")
     if args.rounds > 1 and not args.baseline:
         raise UsageError(f"--rounds {args.rounds} alternates Trident with the plain loop: add --baseline "
                          "or drop --rounds")
@@ -228,7 +234,8 @@ def run(args):
 
         rounds = [compare_baseline(ours, base) for ours, base in paired_runs(
             args.rounds, summary, trident,
-            lambda: run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps))]
+            lambda: run_baseline(recipe, overrides, args.nproc, args.warmup + args.steps,
+                                 grad_sync=args.baseline_sync))]
         summary.update(rounds[0])
         print_comparison(summary)
         if args.rounds > 1:
@@ -315,6 +322,9 @@ def compare_baseline(summary, base):
                    cpu_speedup_vs_transformers=cpu_base["step"] / summary["cpu_step_s"])
     if "threads" in base:  # intra-op threads per rank (the trainer's: parallel/cpu.py)
         out["baseline"]["threads"] = int(base["threads"])
+    if "grad_sync" in base:  # the loop's ranks trained one model (--baseline-sync)
+        out["baseline"]["grad_sync"] = bool(base["grad_sync"])
+        out["baseline"]["same_weights"] = bool(base.get("same_weights"))
     faults = {k[7:]: v for k, v in base.items() if k.startswith("faults/")}
     if faults:
         out["baseline"]["page_faults"] = faults
@@ -324,6 +334,9 @@ def compare_baseline(summary, base):
 def print_comparison(summary):
     base, ours, cpu = summary["baseline"]["phases_s"], summary["compared_phases_s"], "cpu_ratios" in summary
     faults, base_faults = summary.get("page_faults", {}), summary["baseline"].get("page_faults", {})
+    if "grad_sync" in summary["baseline"]:
+        print("\nthe loop: " + ("one model over the ranks, gradients all-reduced per mini-batch"
+                              if summary["baseline"]["grad_sync"] else "one model per rank, no gradient sync"))
     print(f"\n{'phase':<16}{'trident (s)':>12}{'baseline (s)':>14}{'ratio':>8}"
           + (f"{'cpu trident':>13}{'cpu baseline':>14}{'cpu ratio':>10}" if cpu else "")
           + "   (ratio: baseline / Trident seconds, > 1: Trident faster)")
