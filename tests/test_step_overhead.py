@@ -202,10 +202,7 @@ def _mlp_pair():
     built = build_model(tiny_config("llama"))[0]
     # training with Megatron's gradient-accumulation fusion (parallel/cpu.py's stand-in): weight
     # gradients added into main_grad over two micro-batches, DDP's flag set
-    fused = TransformerConfig(**{**{f: getattr(config, f) for f in ("num_layers", "hidden_size",
-                                 "ffn_hidden_size", "num_attention_heads", "gated_linear_unit",
-                                 "activation_func", "add_bias_linear", "use_cpu_initialization")},
-                                 "gradient_accumulation_fusion": True})
+    fused = dataclasses.replace(config, gradient_accumulation_fusion=True)
     ours_f, theirs_f = GatedMLP(fused, subs), MLP(fused, subs)
     theirs_f.load_state_dict(ours.state_dict())
     ours_f.load_state_dict(ours.state_dict())
