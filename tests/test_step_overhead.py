@@ -1,6 +1,7 @@
 """Step-overhead removals keep their results (issue 28): the non-finite-gradient check against
-torch.isfinite element by element, and packed (THD) attention, whose packing is worked out once
-per micro-batch, against causal softmax attention written out per sequence."""
+torch.isfinite element by element, packed (THD) attention, whose packing is worked out once
+per micro-batch, against causal softmax attention written out per sequence, and gradient
+clipping on foreach kernels against the written norm and clip formulas."""
 import dataclasses
 import math
 
@@ -167,6 +168,64 @@ def test_the_fused_adamw_step_is_the_per_parameter_loops():
     # an optimizer that already holds state keeps its kernel (its step counters are on the host)
     assert use_fused_adam(Wrapper(opt)) == 0
 
+
+
+def _clip_with_megatron(shapes, max_norm, seed):
+    """Megatron's own clipping (get_grad_norm_fp32, clip_grad_by_total_norm_fp32) on one rank
+    after use_foreach_multi_tensor: (what was swapped, norm, clipped grads, the grads before)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from engine.workers.fused_adam import use_foreach_multi_tensor
+    from parallel.mesh import Layout, init_mesh
+    init_mesh(Layout(), seed=1)
+    # what Megatron imports without TE or Apex (this worker may have swapped them already)
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = utils.local_multi_tensor_scale
+    swapped = use_foreach_multi_tensor()
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    before = [p.grad.clone() for p in params]
+    norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, norm)
+    return swapped, norm, [p.grad for p in params], before
+
+
+def test_gradient_clipping_runs_on_foreach_kernels():
+    """Without TE or Apex, Megatron clips with megatron/core/utils.py's per-tensor loops (a host
+    copy per gradient on a GPU); use_foreach_multi_tensor swaps in torch's foreach kernels. The
+    norm is the per-tensor norms' norm, bit for bit as the loop computes it, and the clipped
+    gradients are the written formula g * max_norm / (norm + 1e-6)."""
+    from engine.workers.fused_adam import foreach_l2_norm, foreach_scale
+    from tests.multirank import run_on_ranks
+
+    shapes = [(64, 32), (32,), (7, 5), (300,)]
+    swapped, norm, clipped, before = run_on_ranks(_clip_with_megatron, 1, shapes, 1.0, 0)[0]
+    assert ("megatron.core.optimizer.clip_grads", "l2_norm_impl") in swapped
+    assert ("megatron.core.optimizer.clip_grads", "multi_tensor_scale_impl") in swapped
+    assert ("megatron.core.optimizer.optimizer", "multi_tensor_scale_impl") in swapped
+    exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in before))
+    assert norm == pytest.approx(exact, rel=1e-6) and norm > 10  # so the clip below acts
+    coeff = 1.0 / (norm + 1e-6)
+    for g, b in zip(clipped, before):
+        assert torch.allclose(g, b * coeff, rtol=1e-6, atol=0)
+    # the functions alone: Megatron's loop takes torch.norm per tensor, then their norm
+    torch.manual_seed(1)
+    tensors = [torch.randn(s) for s in shapes]
+    loop = torch.norm(torch.tensor([torch.norm(t) for t in tensors]))
+    got, per_tensor = foreach_l2_norm(2048 * 32, None, [tensors], False)
+    assert per_tensor is None and got.shape == (1,) and got.dtype == torch.float32
+    assert torch.equal(got[0], loop)
+    copies = [t.clone() for t in tensors]
+    foreach_scale(0, None, [copies, copies], 0.25)  # in place
+    assert all(torch.equal(c, t * 0.25) for c, t in zip(copies, tensors))
+    low = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    foreach_scale(0, None, [tensors, low], 1.0)  # main params -> bf16 model params
+    assert all(torch.equal(lo, t.to(torch.bfloat16)) for lo, t in zip(low, tensors))
+    foreach_scale(0, None, [tensors, copies], 3.0)
+    assert all(torch.equal(c, t * 3.0) for c, t in zip(copies, tensors))
 
 def _mlp_pair():
     """Megatron's MLP and GatedMLP with the same weights, on one rank: outputs and gradients."""

@@ -1,4 +1,4 @@
-"""torch's fused Adam / AdamW kernel for the optimizers Megatron builds from torch.
+"""torch's fused kernels for what Megatron's optimizer falls back to without TE or Apex.
 
 Without TransformerEngine or Apex (CPU; a GPU stack without them), Megatron falls back to
 `torch.optim.AdamW`, whose default on CPU is the per-parameter loop: about ten elementwise
@@ -6,6 +6,13 @@ passes over every parameter, its gradient and both moments. torch's fused kernel
 pass per parameter with the same update rule (a quarter of the time for a 75M model on this
 CPU, tools/benchmark.py step). It is chosen before the optimizer holds any state, so the step
 counters live where the fused kernel reads them (on the parameters' device).
+
+The same fallback clips gradients with megatron/core/utils.py's local multi-tensor functions:
+the L2 norm takes one `torch.norm` per gradient and turns each into a Python float (on a GPU,
+a device-to-host copy per parameter tensor, every optimizer step), and scaling allocates a
+product per tensor. `use_foreach_multi_tensor` puts torch's foreach kernels in their place
+(one norm over the list, one in-place multiply): on the CPU the same per-tensor reductions,
+bit for bit; on a GPU torch's multi-tensor kernels and no host copy until Megatron's own.
 
 Tests: tests/test_step_overhead.py
 """
@@ -16,10 +23,11 @@ FUSED_DEVICES = ("cpu", "cuda")  # where torch's _fused_adam(w)_ kernels run
 
 def megatron_optimizer(opt_cfg, chunks):
     """Megatron's optimizer for the model chunks (`get_megatron_optimizer`), its torch Adam on
-    the fused kernel."""
+    the fused kernel, its gradient clipping on foreach kernels."""
     from megatron.core.optimizer import get_megatron_optimizer
     optimizer = get_megatron_optimizer(opt_cfg, chunks, use_gloo_process_groups=False)
     use_fused_adam(optimizer)
+    use_foreach_multi_tensor()
     return optimizer
 
 
@@ -46,3 +54,43 @@ def use_fused_adam(optimizer) -> int:
         inner.defaults["fused"], inner.defaults["foreach"] = True, False
         switched += 1
     return switched
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract, as megatron.core.utils.local_multi_tensor_l2_norm:
+    ([1] fp32 norm of every tensor of `tensor_lists[0]` together, None); no per-tensor norms."""
+    if per_tensor:
+        raise NotImplementedError("foreach_l2_norm: per-tensor norms are not provided")
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_multi_tensor() -> list:
+    """Where Megatron's optimizer modules hold megatron.core.utils' local fallbacks (no TE, no
+    Apex), swap in `foreach_l2_norm` / `foreach_scale`; kernels from TE or Apex stay. Returns
+    the (module, name) pairs swapped."""
+    import importlib
+
+    from megatron.core import utils
+    local = {utils.local_multi_tensor_l2_norm: foreach_l2_norm,
+             utils.local_multi_tensor_scale: foreach_scale}
+    swapped = []
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        for attr in ("l2_norm_impl", "multi_tensor_scale_impl"):
+            current = getattr(module, attr, None)
+            if current in local:
+                setattr(module, attr, local[current])
+                swapped.append((name, attr))
+    return swapped
