@@ -218,6 +218,9 @@ def test_gradient_clipping_runs_on_foreach_kernels():
     got, per_tensor = foreach_l2_norm(2048 * 32, None, [tensors], False)
     assert per_tensor is None and got.shape == (1,) and got.dtype == torch.float32
     assert torch.equal(got[0], loop)
+    # the norm lands where Megatron's overflow buffer is (device="cuda" there), not the grads'
+    flag = torch.zeros(1, dtype=torch.int, device="meta")
+    assert foreach_l2_norm(2048 * 32, flag, [tensors], False)[0].device.type == "meta"
     copies = [t.clone() for t in tensors]
     foreach_scale(0, None, [copies, copies], 0.25)  # in place
     assert all(torch.equal(c, t * 0.25) for c, t in zip(copies, tensors))

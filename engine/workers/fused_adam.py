@@ -61,8 +61,11 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     ([1] fp32 norm of every tensor of `tensor_lists[0]` together, None); no per-tensor norms."""
     if per_tensor:
         raise NotImplementedError("foreach_l2_norm: per-tensor norms are not provided")
-    norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+    # the result lives where Megatron's overflow buffer does (its device="cuda"), as the loop's
+    # does, whichever devices the gradients are on (an offloaded optimizer holds some on the host)
+    device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else tensor_lists[0][0].device
+    norms = [n.to(device, torch.float32) for n in torch._foreach_norm(tensor_lists[0])]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
