@@ -169,7 +169,6 @@ def test_the_fused_adamw_step_is_the_per_parameter_loops():
     assert use_fused_adam(Wrapper(opt)) == 0
 
 
-
 def _clip_with_megatron(shapes, max_norm, seed):
     """Megatron's own clipping (get_grad_norm_fp32, clip_grad_by_total_norm_fp32) on one rank
     after use_foreach_multi_tensor: (what was swapped, norm, clipped grads, the grads before)."""
@@ -229,6 +228,7 @@ def test_gradient_clipping_runs_on_foreach_kernels():
     assert all(torch.equal(lo, t.to(torch.bfloat16)) for lo, t in zip(low, tensors))
     foreach_scale(0, None, [tensors, copies], 3.0)
     assert all(torch.equal(c, t * 3.0) for c, t in zip(copies, tensors))
+
 
 def _mlp_pair():
     """Megatron's MLP and GatedMLP with the same weights, on one rank: outputs and gradients."""
