@@ -172,18 +172,19 @@ def test_the_samples_of_a_prompt_share_its_prefill(llama, rollout, monkeypatch):
     import engine.rollout.cpu as cpu
     sampling = SamplingParams(n=4, temperature=1.2, max_new_tokens=8, seed=5)
     batch_rows = []
-    hook = rollout.model.register_forward_pre_hook(
-        lambda module, args, kwargs: batch_rows.append(kwargs["input_ids"].shape), with_kwargs=True)
-    try:
-        shared = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
-        assert batch_rows[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # 3 distinct prompts of 16 rows
-        assert all(shape == (16, 1) for shape in batch_rows[1:])
-        monkeypatch.setattr(cpu, "distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
-        batch_rows.clear()
-        every = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
-        assert batch_rows[0][0] == 16
-    finally:
-        hook.remove()
+    forward = rollout._forward  # every model call, whichever forward (lean or transformers') runs it
+
+    def counted(input_ids, *args):
+        batch_rows.append(input_ids.shape)
+        return forward(input_ids, *args)
+    monkeypatch.setattr(rollout, "_forward", counted)
+    shared = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
+    assert batch_rows[0] == (len(PROMPTS), max(map(len, PROMPTS)))  # 3 distinct prompts of 16 rows
+    assert all(shape == (16, 1) for shape in batch_rows[1:])
+    monkeypatch.setattr(cpu, "distinct_rows", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    batch_rows.clear()
+    every = rollout.generate(PROMPTS + [PROMPTS[0]], sampling)
+    assert batch_rows[0][0] == 16
     assert shared.responses == every.responses
     assert len({tuple(r) for r in shared.responses[:4]}) > 1  # still n draws, not one copied
     assert shared.responses[:4] != shared.responses[12:]  # the same prompt under its own key

@@ -22,6 +22,7 @@ from torch import nn
 from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput,
                                  SamplingParams, register_rollout)
 from engine.rollout.kv_cache import cache_argument, distinct_rows, preallocated_cache
+from engine.rollout.lean_decode import LeanCache, LeanForward, unsupported
 
 
 @contextlib.contextmanager
@@ -148,6 +149,9 @@ class CPURollout(RolloutEngine):
 
         self.record_routing = record_routing
         self._routers = self._find_routers() if record_routing else {}
+        # dense Llama-family models decode through the same modules without transformers'
+        # per-token plumbing (engine/rollout/lean_decode.py); None: transformers' forward
+        self.lean_forward = LeanForward(self.model) if unsupported(self.model) is None else None
 
     # ----------------------------------------------------------------- weights
     def checkpoint_names(self) -> list[str]:
@@ -284,6 +288,8 @@ class CPURollout(RolloutEngine):
 
     # -------------------------------------------------------------- generation
     def _forward(self, input_ids, attention_mask, position_ids, cache):
+        if isinstance(cache, LeanCache):
+            return self.lean_forward(input_ids, attention_mask, position_ids, cache)
         # the cache under the name this transformers takes: an unknown name lands in **kwargs and
         # is ignored, and every decoded token would then be read without its context
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -389,7 +395,8 @@ class CPURollout(RolloutEngine):
         bounded = bool((budget < steps).any())  # a continued row may stop before the others
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
-        cache = preallocated_cache(self.model.config, width + steps)
+        cache = (self.lean_forward.cache(width + steps) if self.lean_forward is not None and not self.record_routing
+                 else preallocated_cache(self.model.config, width + steps))
         paused = False
         firsts, inverse = distinct_rows(rows_prompts)
         with recording as record:
