@@ -1,7 +1,7 @@
 """The CPU rollout's lean forward (engine/rollout/lean_decode.py) against transformers' own
 forward with its KV cache: the same tokens and log-probs for every supported family (Llama with
 GQA, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norms and its own head
-dim, Mistral without a sliding window), left-padded prompts, shared prefills and continued rows;
+dim, Mistral without a sliding window, YaRN-scaled RoPE), left-padded prompts, shared prefills and continued rows;
 the models it does not cover keep transformers' forward; and a decoded token makes fewer than
 half of transformers' Python calls (the point of it)."""
 import sys
@@ -24,6 +24,9 @@ FAMILIES = {
     "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),  # q/k/v biases
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=False),  # q/k norms, 4 x 16 != 32
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False),
+    # static RoPE scaling: other frequencies and a cos / sin scale (attention_scaling 1.14)
+    "llama-yarn": lambda: LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
 }
 
 
@@ -35,7 +38,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def loaded(config, seed=0):
+def loaded(config, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if getattr(config, "attention_bias", False) or config.model_type == "qwen2":
@@ -43,8 +46,8 @@ def loaded(config, seed=0):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.3)
-    rollout = CPURollout(config, eos_token_ids=[EOS])
-    rollout.sync_weights([list(model.state_dict().items())])
+    rollout = CPURollout(config, eos_token_ids=[EOS], dtype=dtype)
+    rollout.sync_weights([[(name, t.to(dtype)) for name, t in model.state_dict().items()]])
     return rollout
 
 
@@ -68,9 +71,10 @@ def assert_same(got, want):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the hf backend's default
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_same_tokens_and_log_probs_as_transformers_forward(family):
-    rollout = loaded(FAMILIES[family]())
+def test_same_tokens_and_log_probs_as_transformers_forward(family, dtype):
+    rollout = loaded(FAMILIES[family](), dtype=dtype)
     greedy = SamplingParams(do_sample=False, max_new_tokens=10)
     sampled = SamplingParams(n=3, temperature=0.9, max_new_tokens=10, seed=7)  # shared prefills
     for sampling in (greedy, sampled):
