@@ -1,7 +1,8 @@
 """Step-overhead removals keep their results (issue 28): the non-finite-gradient check against
 torch.isfinite element by element, packed (THD) attention, whose packing is worked out once
 per micro-batch, against causal softmax attention written out per sequence, and gradient
-clipping on foreach kernels against the written norm and clip formulas."""
+clipping on foreach kernels against the written norm and clip formulas, and the gradient norm as
+the optimizer step's finite check."""
 import dataclasses
 import math
 
@@ -344,3 +345,73 @@ def test_cpu_gradient_accumulation_fusion_adds_into_main_grad():
     want = start + sum(g.reshape(-1, 4).t() @ x.reshape(-1, 6) for x, g in zip(xs, gs))
     torch.testing.assert_close(main_grad, want, rtol=1e-6, atol=1e-6)
     assert added is True
+
+
+def _update_with_a_nan(nan_rank, distributed, clip_grad):
+    """One update_policy of a real ActorWorker at DP 2, rank `nan_rank`'s first advantage NaN
+    (None: every value finite). Returns (skipped updates, grad norm, the largest parameter
+    change, the float64 norm of the reduced gradients before the step (plain optimizer: the
+    whole buffer), the all-reduces over more than one rank during the optimizer step)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from engine.workers.actor import ActorWorker
+    from parallel.mesh import Layout, init_mesh
+    from parallel.shards import iter_global
+    from tests.test_ppo_update import B, R, make_batch, make_configs
+    from tests.tiny_models import tiny_config
+
+    init_mesh(Layout(), seed=1)
+    actor_cfg, _, model_cfg = make_configs()
+    actor_cfg = dataclasses.replace(
+        actor_cfg, megatron=dataclasses.replace(actor_cfg.megatron, use_distributed_optimizer=distributed),
+        optim=dataclasses.replace(actor_cfg.optim, clip_grad=clip_grad))
+    worker = ActorWorker(tiny_config("llama"), actor_cfg, model_cfg, response_length=R)
+    rank = ps.get_data_parallel_rank()
+    mine = make_batch(worker.hf_config.vocab_size).index_select(list(range(rank * B // 2, (rank + 1) * B // 2)))
+    worker.mini_batch_size_per_rank = len(mine)
+    mine["old_log_probs"] = worker.compute_log_prob(mine, micro_batch_size=2)
+    mine["ref_log_prob"] = mine["old_log_probs"] - 0.1 * mine["noise"] * mine["response_mask"]
+    if rank == nan_rank:
+        mine["advantages"][0, 0] = float("nan")  # every response has its first token
+    before = {k: v.clone() for k, v in iter_global(worker.chunks, "param")}
+    seen, collectives = {}, []
+    step, all_reduce = worker.optimizer_step, dist.all_reduce
+
+    def counted(tensor, *args, group=None, **kwargs):
+        if dist.get_world_size(group) > 1:
+            collectives.append(tensor.numel())
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    def watched():
+        seen["norm"] = float(torch.cat([b.grad_data.double() for c in worker.chunks for b in c.buffers]).norm())
+        dist.all_reduce = counted
+        try:
+            return step()
+        finally:
+            dist.all_reduce = all_reduce
+    worker.optimizer_step = watched
+    metrics = worker.update_policy(mine)
+    change = max(float((v - before[k]).abs().max()) for k, v in iter_global(worker.chunks, "param"))
+    return metrics["actor/skipped_updates"], metrics.get("actor/grad_norm", float("nan")), change, \
+        seen["norm"], len(collectives)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_the_gradient_norm_is_the_finite_check(distributed):
+    """Megatron's step with its gradient norm as the NaN / Inf check (step_unless_nonfinite): a
+    NaN loss term on one rank skips the step on both (nothing moves); finite gradients step with
+    the norm of the reduced gradients, clipped or not; and the optimizer step makes one
+    all-reduce over the ranks (the distributed optimizer's norm over its shards), none with the
+    plain one (replicas hold equal gradients): the separate finite check's pass and flag are gone."""
+    from tests.multirank import run_on_ranks
+    for skipped, norm, change, _, collectives in run_on_ranks(_update_with_a_nan, 2, 1, distributed, 1.0):
+        assert skipped == 1 and math.isnan(norm) and change == 0.0
+        assert collectives == int(distributed)
+    for clip in (1.0, 0.0):
+        runs = run_on_ranks(_update_with_a_nan, 2, None, distributed, clip)
+        for skipped, norm, change, by_hand, collectives in runs:
+            assert skipped == 0 and change > 0 and math.isfinite(norm) and norm == runs[0][1]
+            if not distributed:  # the whole reduced gradient is in each replica's buffer
+                assert norm == pytest.approx(by_hand, rel=1e-5)
+            assert collectives == int(distributed)

@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
-from engine.workers.finite import all_finite
+from engine.workers.finite import all_finite, step_unless_nonfinite
 from engine.workers.fused_adam import megatron_optimizer
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
@@ -473,10 +473,16 @@ class MegatronWorker:
         anywhere in the gradients (any rank) skips it on every rank together: nothing is
         applied, the LR schedule does not advance."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if not self.grads_finite():
-            self.zero_grad()
-            return float("nan"), lr, False
-        success, grad_norm, _ = self.optimizer.step()
+        if self.sharded:  # FSDP: its own optimizer step after a finite check of every shard
+            if not self.grads_finite():
+                self.zero_grad()
+                return float("nan"), lr, False
+            success, grad_norm, _ = self.optimizer.step()
+        else:
+            success, grad_norm = step_unless_nonfinite(self.optimizer)
+            if not success:
+                self.zero_grad()
+                return float("nan"), lr, False
         if self.megatron_cfg.overlap_param_gather and self.megatron_cfg.use_distributed_optimizer:
             # overlapped gathering would defer the updated parameters to the next forward's
             # hooks; the rollout engine reads them before that, so gather them now

@@ -1,5 +1,6 @@
-"""Whether gradients are finite, cheaply: the check before every optimizer step
-(MegatronWorker.grads_finite) reads each gradient buffer once.
+"""Whether gradients are finite, cheaply, before an optimizer step applies them: Megatron's
+step takes the gradients' global norm as its check (`step_unless_nonfinite`: no pass of its
+own); FSDP's shards are checked by `all_finite` (MegatronWorker.grads_finite), one read of each.
 
 Tests: tests/test_step_overhead.py, tests/test_faults.py
 """
@@ -18,3 +19,31 @@ def all_finite(tensors) -> bool:
     if bool(torch.isfinite(sums).all()):  # one host read
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def step_unless_nonfinite(optimizer):
+    """Megatron's optimizer step (a ChainedOptimizer or one MegatronOptimizer: prepare the
+    gradients, their global norm, clip, step) with the norm as the finite check: a NaN / Inf
+    gradient on any rank makes the norm NaN / Inf on every rank (the DP all-reduce spreads it
+    to every replica, the norm's reduction covers the shards), and then nothing is applied.
+    One pass over the gradients and one collective fewer than a separate check before
+    `step()`: a gradient so large that its squares overflow fp32 (beyond ~1e19) also counts as
+    non-finite. The norm is computed even without clipping (clip_grad 0), for the metric.
+    Returns (applied, grad norm)."""
+    import math
+
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    if optimizer.prepare_grads():  # an fp16 loss scaler's overflow (it lowers its scale)
+        return False, float("nan")
+    norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(norm):
+        return False, norm
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0.0:
+            continue
+        params = part.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=part.config.clip_grad, total_norm=norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), norm
