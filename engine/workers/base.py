@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps
 from engine import faults
 from engine.batch import Batch, update_split
 from engine.models.builder import build_model
-from engine.workers.finite import all_finite, step_unless_nonfinite
+from engine.workers.finite import shards_finite, step_unless_nonfinite
 from engine.workers.fused_adam import megatron_optimizer
 from engine.workers.routing import (as_many_as_expert_peers, replay_in_backward, replay_routing,
                                     set_replay, start_replay)
@@ -447,16 +447,6 @@ class MegatronWorker:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def grads_finite(self) -> bool:
-        """Whether every gradient on every rank is finite (one all-reduce of a flag)."""
-        buffers = [] if self.sharded else [  # DDP's buffers; FSDP's gradients are DTensors
-            b.grad_data for c in self.chunks
-            for b in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", []))]
-        grads = buffers or model_grads(self.chunks)
-        flag = torch.tensor([0.0 if all_finite(grads) else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0
-
     def free_memory(self):
         """After an out-of-memory: drop what the failed attempt left, give the cache back."""
         import gc
@@ -473,16 +463,15 @@ class MegatronWorker:
         anywhere in the gradients (any rank) skips it on every rank together: nothing is
         applied, the LR schedule does not advance."""
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.sharded:  # FSDP: its own optimizer step after a finite check of every shard
-            if not self.grads_finite():
-                self.zero_grad()
-                return float("nan"), lr, False
+        if not self.sharded:
+            success, grad_norm = step_unless_nonfinite(self.optimizer)
+        elif shards_finite(self.chunks):  # FSDP: every shard checked, then its own step
             success, grad_norm, _ = self.optimizer.step()
         else:
-            success, grad_norm = step_unless_nonfinite(self.optimizer)
-            if not success:
-                self.zero_grad()
-                return float("nan"), lr, False
+            success = False
+        if not success:
+            self.zero_grad()
+            return float("nan"), lr, False
         if self.megatron_cfg.overlap_param_gather and self.megatron_cfg.use_distributed_optimizer:
             # overlapped gathering would defer the updated parameters to the next forward's
             # hooks; the rollout engine reads them before that, so gather them now

@@ -1,10 +1,13 @@
 """Whether gradients are finite, cheaply, before an optimizer step applies them: Megatron's
 step takes the gradients' global norm as its check (`step_unless_nonfinite`: no pass of its
-own); FSDP's shards are checked by `all_finite` (MegatronWorker.grads_finite), one read of each.
+own); FSDP's shards are checked by `shards_finite`, one read of each.
 
 Tests: tests/test_step_overhead.py, tests/test_faults.py
 """
 import torch
+import torch.distributed as dist
+
+from parallel.offload import model_grads
 
 
 def all_finite(tensors) -> bool:
@@ -19,6 +22,14 @@ def all_finite(tensors) -> bool:
     if bool(torch.isfinite(sums).all()):  # one host read
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def shards_finite(chunks) -> bool:
+    """Whether every gradient (FSDP's DTensor shards) on every rank is finite: one all-reduce
+    of a flag."""
+    flag = torch.tensor([0.0 if all_finite(model_grads(chunks)) else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
 
 
 def step_unless_nonfinite(optimizer):
