@@ -383,6 +383,9 @@ class CPURollout(RolloutEngine):
         uniforms = None if sampling.greedy else _row_uniforms(sampling, [s[1:3] for s in specs]).to(dev)
         budget = sampling.max_new_tokens - offsets  # tokens each row may still make
         steps = int(budget.max())
+        if uniforms is not None:  # each step's column of every row's stream, picked once
+            at = (offsets[:, None] + torch.arange(steps)).clamp(max=sampling.max_new_tokens - 1)
+            uniforms = uniforms.gather(1, at.to(dev))
         stop = set() if sampling.ignore_eos else set(self.eos_token_ids) | set(sampling.stop_token_ids)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
         temperature = 1.0 if sampling.greedy else sampling.temperature
@@ -398,6 +401,8 @@ class CPURollout(RolloutEngine):
         cache = (self.lean_forward.cache(width + steps) if self.lean_forward is not None and not self.record_routing
                  else preallocated_cache(self.model.config, width + steps))
         paused = False
+        # every step's mask is a view of one: the prompt's columns, then one per decoded token
+        full_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, steps))], dim=1)
         firsts, inverse = distinct_rows(rows_prompts)
         with recording as record:
             if record or len(firsts) == rows:
@@ -421,8 +426,7 @@ class CPURollout(RolloutEngine):
                     # inverse CDF with each row's own uniform: a row's draw does not depend on
                     # which other rows share the batch
                     cdf = self._filtered(scaled, sampling).softmax(-1).cumsum(-1)
-                    at = (offsets + step).clamp(max=sampling.max_new_tokens - 1).to(dev)[:, None]
-                    u = (uniforms.gather(1, at).to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
+                    u = (uniforms[:, step:step + 1].to(cdf.dtype) * cdf[:, -1:]).clamp_(min=1e-30)
                     tokens = torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
                 step_logps.append(scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
                 step_tokens.append(tokens)
@@ -439,7 +443,7 @@ class CPURollout(RolloutEngine):
                 if should_pause is not None and should_pause():
                     paused = True
                     break
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
+                attention_mask = full_mask[:, :width + step + 1]
                 position_ids = position_ids[:, -1:] + 1
                 logits = self._forward(tokens[:, None], attention_mask, position_ids, cache)
                 if record:
