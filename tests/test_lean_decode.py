@@ -14,6 +14,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen
 from engine.rollout.base import SamplingParams
 from engine.rollout.cpu import CPURollout
 from engine.rollout.lean_decode import unsupported
+from tests.test_rollout_cpu import one_thread  # noqa: F401  (tiny matmuls: one thread, autouse)
 
 EOS = 1
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
@@ -28,14 +29,6 @@ FAMILIES = {
     "llama-yarn": lambda: LlamaConfig(**COMMON, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def loaded(config, seed=0, dtype=torch.float32):
