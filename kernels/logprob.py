@@ -150,9 +150,10 @@ def _check_inputs(hidden, weight, labels, temperature, tp_group, chunk_tokens, b
     backend = resolve_backend(backend, hidden)
     vocab_local = weight.shape[0]
     vocab = vocab_local * _group_size(tp_group)
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+    low, high = torch.stack(torch.aminmax(labels)).tolist() if labels.numel() else (0, 0)  # one host read
+    if low < 0 or high >= vocab:
         raise ValueError(f"labels must be global vocab ids in [0, {vocab}); got values in "
-                         f"[{int(labels.min())}, {int(labels.max())}] (mask padding after the "
+                         f"[{low}, {high}] (mask padding after the "
                          f"call instead of using ignore ids)")
     return backend, vocab_local
 

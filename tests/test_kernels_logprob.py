@@ -99,6 +99,14 @@ def test_bad_inputs():
     h, w, labels, _, _ = _inputs(4, 8, 10, torch.float32)
     with pytest.raises(ValueError, match="labels"):
         linear_logprob_entropy(h, w, labels + 10)
+    low = labels.clone()
+    low[1] = -3  # one bad id of either sign is named with the range it makes (one host read)
+    with pytest.raises(ValueError, match=rf"got values in \[-3, {int(low.max())}\]"):
+        linear_logprob_entropy(h, w, low)
+    high = labels.clone()
+    high[0] = 10
+    with pytest.raises(ValueError, match=rf"got values in \[{int(high.min())}, 10\]"):
+        linear_logprob_entropy(h, w, high)
     with pytest.raises(ValueError, match="same H"):
         linear_logprob_entropy(h, w[:, :4], labels)
     with pytest.raises(ValueError, match="backend"):
