@@ -1,9 +1,9 @@
 """The CPU rollout's lean forward (engine/rollout/lean_decode.py) against transformers' own
 forward with its KV cache: the same tokens and log-probs for every supported family (Llama with
 GQA, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norms and its own head
-dim, Mistral without a sliding window, YaRN-scaled RoPE), left-padded prompts, shared prefills and continued rows;
-the models it does not cover keep transformers' forward; and a decoded token makes fewer than
-half of transformers' Python calls (the point of it)."""
+dim, Mistral without a sliding window, YaRN- and dynamic-NTK-scaled RoPE), left-padded prompts,
+shared prefills and continued rows; the models it does not cover keep transformers' forward; and
+a decoded token makes fewer than half of transformers' Python calls (the point of it)."""
 import sys
 
 import pytest
@@ -28,6 +28,9 @@ FAMILIES = {
     # static RoPE scaling: other frequencies and a cos / sin scale (attention_scaling 1.14)
     "llama-yarn": lambda: LlamaConfig(**COMMON, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    # dynamic NTK: the rotary module rescales its frequencies once positions pass 8
+    "llama-dynamic": lambda: LlamaConfig(**{**COMMON, "max_position_embeddings": 8}, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
 }
 
 
@@ -48,12 +51,22 @@ def both_ways(rollout, run):
     """run(rollout) with the lean forward, then with transformers' (the reference)."""
     lean = rollout.lean_forward
     assert lean is not None, unsupported(rollout.model)
+    made, make = [], lean.cache
+    lean.cache = lambda capacity: made.append(make(capacity)) or made[-1]
+    # dynamic RoPE's module keeps state between forwards (its frequencies for the longest
+    # sequence seen): both runs start from the same
+    rotary = rollout.model.model.rotary_emb
+    state = rotary.inv_freq.clone(), getattr(rotary, "max_seq_len_cached", None)
     try:
         got = run(rollout)
+        assert made and all(c.length > 0 for c in made)  # the lean forward ran the generation
         rollout.lean_forward = None
+        rotary.inv_freq.copy_(state[0])
+        rotary.max_seq_len_cached = state[1]
         want = run(rollout)
     finally:
         rollout.lean_forward = lean
+        del lean.cache
     return got, want
 
 
@@ -104,8 +117,7 @@ def test_other_models_keep_transformers_forward():
     moe = Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                          shared_expert_intermediate_size=16)
     windowed = MistralConfig(**COMMON, sliding_window=8)
-    dynamic = LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    for config, why in ((moe, "model_type 'qwen2_moe'"), (windowed, "sliding window"), (dynamic, "'dynamic'")):
+    for config, why in ((moe, "model_type 'qwen2_moe'"), (windowed, "sliding window")):
         rollout = CPURollout(config, eos_token_ids=[EOS])
         assert rollout.lean_forward is None
         assert why in unsupported(rollout.model)

@@ -21,8 +21,8 @@ from torch import nn
 
 from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, RolloutOutput,
                                  SamplingParams, register_rollout)
-from engine.rollout.kv_cache import cache_argument, distinct_rows, preallocated_cache
-from engine.rollout.lean_decode import LeanCache, LeanForward, unsupported
+from engine.rollout.kv_cache import LeanCache, cache_argument, distinct_rows, preallocated_cache
+from engine.rollout.lean_decode import LeanForward, unsupported
 
 
 @contextlib.contextmanager
@@ -151,6 +151,7 @@ class CPURollout(RolloutEngine):
         self._routers = self._find_routers() if record_routing else {}
         # dense Llama-family models decode through the same modules without transformers'
         # per-token plumbing (engine/rollout/lean_decode.py); None: transformers' forward
+        # (routing capture hooks MoE routers: MoE models keep transformers' forward)
         self.lean_forward = LeanForward(self.model) if unsupported(self.model) is None else None
 
     # ----------------------------------------------------------------- weights
@@ -398,7 +399,7 @@ class CPURollout(RolloutEngine):
         bounded = bool((budget < steps).any())  # a continued row may stop before the others
         routing_steps: list[torch.Tensor] = []
         recording = self._recording(routing_steps) if self.record_routing else contextlib.nullcontext()
-        cache = (self.lean_forward.cache(width + steps) if self.lean_forward is not None and not self.record_routing
+        cache = (self.lean_forward.cache(width + steps) if self.lean_forward is not None
                  else preallocated_cache(self.model.config, width + steps))
         paused = False
         # every step's mask is a view of one: the prompt's columns, then one per decoded token

@@ -1,8 +1,10 @@
-"""The CPU / hf rollout backends' KV cache (engine/rollout/cpu.py): transformers' cache with
-full-attention layers written into buffers sized for the whole generation, the argument name
-this transformers takes it under, and the rows that share a prefill (the n samples of a prompt).
+"""The CPU / hf rollout backends' KV caches (engine/rollout/cpu.py), both buffers sized for the
+whole generation and written in place (`write_kv`, `reorder_kv`): transformers' cache with such
+full-attention layers, and LeanCache for engine/rollout/lean_decode.py's forward; the argument
+name this transformers takes its cache under, and the rows that share a prefill (the n samples
+of a prompt).
 
-Tests: tests/test_rollout_cpu.py
+Tests: tests/test_rollout_cpu.py, tests/test_lean_decode.py
 """
 import functools
 import inspect
@@ -18,6 +20,27 @@ def cache_argument(model_class) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def write_kv(store, k, v, start: int, capacity: int):
+    """k, v [rows, kv heads, new, head dim] into `store`, (keys, values) buffers of `capacity`
+    positions (None: made at this first write), at positions start..; returns (store, keys so
+    far, values so far)."""
+    end = start + k.shape[2]
+    if end > capacity:
+        raise RuntimeError(f"KV cache of {capacity} positions overflowed ({end})")
+    if store is None:
+        store = (k.new_empty(*k.shape[:2], capacity, k.shape[3]),
+                 v.new_empty(*v.shape[:2], capacity, v.shape[3]))
+    store[0][:, :, start:end] = k
+    store[1][:, :, start:end] = v
+    return store, store[0][:, :, :end], store[1][:, :, :end]
+
+
+def reorder_kv(store, index):
+    """Rows of (keys, values) buffers picked (and repeated) along the batch: the n samples of a
+    prompt share its prefill (engine/rollout/cpu.py)."""
+    return tuple(buf.index_select(0, index.to(buf.device)) for buf in store)
+
+
 def preallocated_cache(config, capacity: int):
     """transformers' DynamicCache whose full-attention layers write into buffers sized for the
     whole generation: its default layers grow by concatenation, copying the cache at every
@@ -29,35 +52,39 @@ def preallocated_cache(config, capacity: int):
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-                b, h, _, d = key_states.shape
-                self._k = key_states.new_empty(b, h, capacity, d)
-                self._v = value_states.new_empty(b, h, capacity, value_states.shape[-1])
-                self._len = 0
-            end = self._len + key_states.shape[-2]
-            if end > capacity:
-                raise RuntimeError(f"KV cache of {capacity} positions overflowed ({end})")
-            self._k[:, :, self._len:end] = key_states
-            self._v[:, :, self._len:end] = value_states
-            self._len = end
-            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+                self._store, self._len = None, 0
+            self._store, self.keys, self.values = write_kv(self._store, key_states, value_states,
+                                                           self._len, capacity)
+            self._len += key_states.shape[-2]
             return self.keys, self.values
 
         def reorder_cache(self, beam_idx):
-            # rows picked (and repeated) along the batch into buffers of the same capacity
-            if not self.is_initialized:
-                return
-            index = beam_idx.to(self._k.device)
-            k, v = self._k, self._v
-            self._k = k.new_empty(len(index), *k.shape[1:])
-            self._v = v.new_empty(len(index), *v.shape[1:])
-            self._k[:, :, :self._len] = k[:, :, :self._len].index_select(0, index)
-            self._v[:, :, :self._len] = v[:, :, :self._len].index_select(0, index)
-            self.keys, self.values = self._k[:, :, :self._len], self._v[:, :, :self._len]
+            if self.is_initialized:
+                self._store = reorder_kv(self._store, beam_idx)
+                self.keys, self.values = (buf[:, :, :self._len] for buf in self._store)
 
     cache = DynamicCache(config=config)
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
     return cache
+
+
+class LeanCache:
+    """The KV cache of engine/rollout/lean_decode.py's forward: every layer's (keys, values)
+    buffers sized for the whole generation, written in place; `length` positions held."""
+
+    def __init__(self, layers: int, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.stores: list = [None] * layers
+
+    def write(self, layer: int, k, v, start: int):
+        """k, v [rows, kv heads, new, head dim] at positions start..; the layer's keys and values
+        so far."""
+        self.stores[layer], keys, values = write_kv(self.stores[layer], k, v, start, self.capacity)
+        return keys, values
+
+    def reorder_cache(self, index):
+        self.stores = [None if s is None else reorder_kv(s, index) for s in self.stores]
 
 
 def distinct_rows(rows):

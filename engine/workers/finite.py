@@ -4,8 +4,11 @@ own); FSDP's shards are checked by `shards_finite`, one read of each.
 
 Tests: tests/test_step_overhead.py, tests/test_faults.py
 """
+import math
+
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from parallel.offload import model_grads
 
@@ -41,9 +44,6 @@ def step_unless_nonfinite(optimizer):
     `step()`: a gradient so large that its squares overflow fp32 (beyond ~1e19) also counts as
     non-finite. The norm is computed even without clipping (clip_grad 0), for the metric.
     Returns (applied, grad norm)."""
-    import math
-
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
     if optimizer.prepare_grads():  # an fp16 loss scaler's overflow (it lowers its scale)
         return False, float("nan")
     norm = float(optimizer.get_grad_norm())
