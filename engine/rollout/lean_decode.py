@@ -6,7 +6,7 @@ order, with one rotary table and one attention mask per forward and a KV cache o
 
 Why: transformers' forward spends a small model's decoded token largely outside the arithmetic
 (the mask builder, the cache classes, keyword plumbing and decorators): a 2-layer model's token
-makes 499 Python calls there and 166 here (309 and 114 builtin calls; the aten operators barely
+makes 501 Python calls there and 173 here (309 and 119 builtin calls; the aten operators barely
 change, 214 -> 183). That Python is host time between a GPU's kernel launches and, on a CPU, a
 sixth of a 3m model's generation. Same modules and weights, so the same arithmetic: logits agree with
 transformers' forward to float rounding (tests/test_lean_decode.py). Anything else (MoE,
