@@ -127,14 +127,58 @@ def _inner_adam_groups(distributed):
     worker = ActorWorker(tiny_config("llama"), actor_cfg, model_cfg, total_steps=2)
     opt = worker.optimizer
     inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
-    return [(type(o).__name__, g["fused"], g["foreach"]) for o in inner for g in o.param_groups]
+    groups = [(type(o).__name__, g["fused"], g["foreach"]) for o in inner for g in o.param_groups]
+    # the moments exist before the first step (init_adam_state), as torch would make them
+    state = [(o.state[p]["step"].dtype, o.state[p]["step"].device, o.state[p]["exp_avg"].shape == p.shape,
+              float(o.state[p]["exp_avg_sq"].abs().sum()))
+             for o in inner for g in o.param_groups for p in g["params"]]
+    return groups, state
 
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_megatrons_torch_adam_runs_the_fused_kernel(distributed):
     from tests.multirank import run_on_ranks
-    (groups,) = run_on_ranks(_inner_adam_groups, 1, distributed)
+    ((groups, state),) = run_on_ranks(_inner_adam_groups, 1, distributed)
     assert groups and all(g[1:] == (True, False) for g in groups), groups
+    assert state and set(state) == {(torch.float32, torch.device("cpu"), True, 0.0)}, state
+
+
+def test_adam_state_made_up_front_is_the_state_torch_makes():
+    """init_adam_state gives every parameter the state the fused AdamW's first step would make:
+    three steps from it end bit for bit where three steps from lazily made state end (parameters
+    and every state tensor, dtype and device included); state that exists is kept."""
+    from engine.workers.fused_adam import init_adam_state, use_fused_adam
+
+    class Wrapper:  # what both read of a Megatron optimizer: its torch `optimizer`
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    torch.manual_seed(0)
+    shapes = [(16, 8), (8,)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    runs = []
+    for up_front in (False, True):
+        for amsgrad in (False, True):
+            params = [torch.nn.Parameter(t.clone()) for t in start]
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+            use_fused_adam(Wrapper(opt))
+            if up_front:
+                assert init_adam_state(Wrapper(opt)) == len(params)
+                assert all(len(opt.state[p]) == 3 + amsgrad for p in params)
+            for step in grads:
+                for p, g in zip(params, step):
+                    p.grad = g.clone()
+                opt.step()
+            runs.append((params, opt))
+    for (lazy, lazy_opt), (eager, eager_opt) in zip(runs[:2], runs[2:]):
+        for a, b in zip(lazy, eager):
+            assert torch.equal(a, b)
+            assert lazy_opt.state[a].keys() == eager_opt.state[b].keys()
+            for k, v in lazy_opt.state[a].items():
+                w = eager_opt.state[b][k]
+                assert (v.dtype, v.device, v.shape) == (w.dtype, w.device, w.shape) and torch.equal(v, w), k
+    assert init_adam_state(Wrapper(runs[2][1])) == 0  # state that exists is kept
 
 
 def test_the_fused_adamw_step_is_the_per_parameter_loops():

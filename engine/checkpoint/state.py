@@ -121,12 +121,18 @@ def torch_optimizers(worker):
     return [getattr(o, "optimizer", o) for o in getattr(opt, "chained_optimizers", [opt])]
 
 
+def stepped(opt) -> bool:
+    """Whether a torch optimizer has taken a step: its state holds something to save. (The
+    moments engine/workers/fused_adam.py init_adam_state makes up front have a step count of 0.)"""
+    return any(float(s.get("step", 0)) > 0 for s in opt.state.values())
+
+
 def has_optimizer_state(worker) -> bool:
-    """Megatron's optimizer state exists only after the first step (then on every rank)."""
+    """Megatron's optimizer state has values only after the first step (then on every rank)."""
     if worker.optimizer is None:
         return False
     inner = torch_optimizers(worker)
-    flag = torch.tensor([int(all(len(o.state) > 0 for o in inner))])
+    flag = torch.tensor([int(all(stepped(o) for o in inner))])
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -135,10 +141,11 @@ def has_optimizer_state(worker) -> bool:
 @torch.no_grad()
 def create_optimizer_state(worker):
     """A fresh optimizer has no state to load into (and Megatron's distributed optimizer cannot
-    describe itself without it): one step on zero gradients creates it; the load overwrites
-    every value it creates, including the parameters."""
+    describe itself without it), or only the moments init_adam_state made up front with a step
+    count of 0, which Megatron's sharded state dict leaves out (`if step:`): one step on zero
+    gradients creates it; the load overwrites every value it creates, including the parameters."""
     for opt in torch_optimizers(worker):
-        if len(opt.state) > 0:
+        if stepped(opt):
             continue
         params = [p for group in opt.param_groups for p in group["params"] if p.numel() > 0]
         for p in params:

@@ -28,6 +28,7 @@ def megatron_optimizer(opt_cfg, chunks):
     optimizer = get_megatron_optimizer(opt_cfg, chunks, use_gloo_process_groups=False)
     use_fused_adam(optimizer)
     use_foreach_multi_tensor()
+    init_adam_state(optimizer)
     return optimizer
 
 
@@ -54,6 +55,38 @@ def use_fused_adam(optimizer) -> int:
         inner.defaults["fused"], inner.defaults["foreach"] = True, False
         switched += 1
     return switched
+
+
+def init_adam_state(optimizer) -> int:
+    """Give every parameter of the fused torch Adam / AdamW optimizers inside `optimizer` the
+    state the first step would create (torch/optim/adam.py `_init_group`, fused: a float32 step
+    counter on the parameter's device, zeroed moments), now, before the first forward; returns
+    how many parameters got it. Parameters with state keep theirs.
+
+    Why: created lazily, the moments were allocated at the end of the first update, in the
+    memory its activations had just freed, so the second update's activations went into fresh
+    pages (3m workload: ~10 000 page faults, +0.2 s in the second step) and the moments' memory
+    showed up only after a whole rollout. Made here, they sit below the activations from the
+    start, and a model whose optimizer does not fit fails at setup."""
+    made = 0
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if not group.get("fused"):  # use_fused_adam kept the loop: its counters live elsewhere
+                continue
+            for p in group["params"]:
+                state = inner.state[p]
+                if state:
+                    continue
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                made += 1
+    return made
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
