@@ -47,21 +47,28 @@ def _mode_during_forward():
 
     init_mesh(Layout(), seed=1)
     actor = make_actor()
-    seen = []
+    seen, heads = [], []
     actor.chunks[0].register_forward_pre_hook(lambda *a: seen.append(torch._C._len_torch_function_stack()))
+    for name in ("_logprob_entropy", "_policy_loss"):  # the forward-only head, the update's loss
+        def recorded(*args, _head=getattr(actor, name), **kwargs):
+            heads.append(torch._C._len_torch_function_stack())
+            return _head(*args, **kwargs)
+        setattr(actor, name, recorded)
     batch = make_batch(actor.hf_config.vocab_size, seed=0)
-    actor.compute_log_prob(batch.index_select([0, 1]), micro_batch_size=2)
+    batch["old_log_probs"] = batch["ref_log_prob"] = actor.compute_log_prob(batch, micro_batch_size=len(batch))
+    actor.update_policy(batch, micro_batch_size=len(batch))
     assert ps.get_data_parallel_world_size() == 1
-    return seen, torch._C._len_torch_function_stack(), torch.zeros(1, device="cuda").device.type
+    return seen, heads, torch._C._len_torch_function_stack(), torch.zeros(1, device="cuda").device.type
 
 
 def test_the_models_forward_runs_without_the_device_rewrite():
     """The function mode is a Python call on every torch op (~5 % of a small model's forward
-    here, tools/benchmark.py's 3m shapes); Megatron's model forward names no CUDA device on the
-    CPU (every layout's tests run it so), so engine/workers/base.py lifts the mode around it and
-    the mode is back afterwards, for the schedule and the backward."""
-    seen, after, device = run_on_ranks(_mode_during_forward, 1)[0]
-    assert seen == [0] and after >= 1 and device == "cpu"
+    here, tools/benchmark.py's 3m shapes; ~330 calls per micro-batch in the update's loss);
+    Megatron's model forward and our heads name no CUDA device on the CPU (every layout's tests
+    run them so), so engine/workers/base.py lifts the mode around both and the mode is back
+    afterwards, for the schedule and the backward."""
+    seen, heads, after, device = run_on_ranks(_mode_during_forward, 1)[0]
+    assert seen == [0, 0] and heads == [0, 0] and after >= 1 and device == "cpu"
 
 
 def micro_batch_faults():

@@ -459,3 +459,63 @@ def test_the_gradient_norm_is_the_finite_check(distributed):
             if not distributed:  # the whole reduced gradient is in each replica's buffer
                 assert norm == pytest.approx(by_hand, rel=1e-5)
             assert collectives == int(distributed)
+
+
+def _one_rank_linears_against_megatrons():
+    """Each of a real actor's column / row linears run as OneRankLinear and as Megatron's own
+    class on the same input (a packed [t, 1, h] view with a non-canonical stride in its size-1
+    dimension) and output gradient: (name, was the lean path taken, outputs equal, input
+    gradients equal, main_grad additions equal, the placeholder flag set) per linear; outputs
+    with and without gradients."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
+
+    from engine.models import local_modules
+    from parallel.mesh import Layout, init_mesh
+    from tests.test_checkpoint import make_actor
+
+    init_mesh(Layout(), seed=1)
+    actor = make_actor()
+    calls = []
+    real = layers.LinearWithGradAccumulationAndAsyncCommunication.apply
+    layers.LinearWithGradAccumulationAndAsyncCommunication.apply = \
+        lambda *a: (calls.append(1), real(*a))[1]
+    out = []
+    try:
+        for name, linear in actor.chunks[0].named_modules():
+            if not isinstance(linear, (local_modules.LeanColumnLinear, local_modules.LeanRowLinear)):
+                continue
+            torch.manual_seed(len(out))
+            x0 = torch.randn(1, 29, linear.weight.shape[1]).transpose(0, 1)  # strides (h, 29 h, 1)
+            grad = torch.randn(29, 1, linear.weight.shape[0])
+            runs = []
+            for cls in (type(linear), ColumnParallelLinear if isinstance(linear, ColumnParallelLinear)
+                        else RowParallelLinear):
+                lean, linear.__class__ = linear.__class__, cls
+                calls.clear()
+                linear.weight.main_grad.zero_()
+                x = x0.clone().as_strided(x0.shape, x0.stride()).requires_grad_(True)
+                y, _ = linear(x)
+                y.backward(grad)
+                with torch.no_grad():  # the reference's and the log-probs' forward
+                    y_no_grad = linear(x0)[0]
+                runs.append((torch.cat([y.detach(), y_no_grad]), x.grad, linear.weight.main_grad.clone(),
+                             len(calls), linear.weight.grad_added_to_main_grad))
+                linear.__class__ = lean
+            (y1, dx1, g1, c1, f1), (y2, dx2, g2, c2, f2) = runs
+            out.append((name, c1 == 0 and c2 == 2, torch.equal(y1, y2), torch.equal(dx1, dx2),
+                        torch.equal(g1, g2) and bool(g1.abs().sum() > 0), f1 and f2))
+    finally:
+        layers.LinearWithGradAccumulationAndAsyncCommunication.apply = real
+    return out
+
+
+def test_one_rank_linears_are_megatrons_bit_for_bit():
+    """On one TP rank on the CPU, Megatron's column / row linears run as OneRankLinear (no
+    identity regions, no Megatron autograd function): the same output, input gradient and
+    weight gradient added into main_grad as Megatron's own linear, bit for bit, with its
+    placeholder-gradient flag set."""
+    from tests.multirank import run_on_ranks
+    rows = run_on_ranks(_one_rank_linears_against_megatrons, 1)[0]
+    assert {r[0].rsplit(".", 1)[-1] for r in rows} >= {"linear_qkv", "linear_proj", "linear_fc2"}
+    for name, lean_taken, *equal in rows:
+        assert lean_taken and all(equal), (name, lean_taken, equal)

@@ -23,7 +23,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from engine.models.arch import ArchSpec, arch_spec, rope_inv_freq
-from engine.models.local_modules import CoreAttention, Norm, install_fast_thd_rope, use_gated_mlp
+from engine.models.local_modules import (CoreAttention, Norm, install_fast_thd_rope, use_gated_mlp,
+                                         use_one_rank_linears)
 from parallel import cpu as cpu_compat
 from parallel import fsdp
 
@@ -359,6 +360,7 @@ def build_model(hf_config, *, head="lm", params_dtype=torch.float32, sequence_pa
             _set_rope_frequencies(model, arch)
         if not use_te:
             use_gated_mlp(model)
+            use_one_rank_linears(model)
         model.arch = arch
         chunks.append(model)
     if lora is not None:

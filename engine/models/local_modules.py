@@ -14,7 +14,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -98,7 +98,7 @@ class GatedMLP(MLP):
         Megatron's linear. A linear with hooks (LoRA's adapter: engine/models/lora.py) runs as
         itself: the halves would skip them."""
         fc1 = self.linear_fc1
-        if not (x.device.type == "cpu" and type(fc1) is ColumnParallelLinear and fc1.bias is None
+        if not (x.device.type == "cpu" and type(fc1) in (ColumnParallelLinear, LeanColumnLinear) and fc1.bias is None
                 and not (fc1._forward_hooks or fc1._forward_pre_hooks) and fc1.tp_group.size() == 1):
             return False
         return not torch.is_grad_enabled() or (fc1.weight.requires_grad and not fc1.sequence_parallel
@@ -146,19 +146,101 @@ class HalvesSwiGLU(torch.autograd.Function):
         d_gate = torch.ops.aten.silu_backward(grad * up, gate)
         w_gate, w_up = weight.chunk(2)
         dx = torch.mm(d_gate, w_gate).addmm_(d_up, w_up)
-        if not ctx.accumulate:
-            return dx.view(ctx.shape), torch.cat([d_gate.t().mm(flat), d_up.t().mm(flat)]), None
-        for rows, d in zip(weight.main_grad.chunk(2), (d_gate, d_up)):
-            if rows.dtype == d.dtype:
-                rows.addmm_(d.t(), flat)
-            else:  # bf16 / fp16 activations into an fp32 buffer, as parallel/cpu.py's stand-in
-                rows.add_(d.t().mm(flat))
-        grad_weight = None
-        if hasattr(weight, "grad_added_to_main_grad"):
-            new = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            grad_weight = new(weight.main_grad.shape, dtype=flat.dtype, device=flat.device)
-            weight.grad_added_to_main_grad = True
-        return dx.view(ctx.shape), grad_weight, None
+        return dx.view(ctx.shape), weight_grad(weight, flat, (d_gate, d_up), ctx.accumulate), None
+
+
+def weight_grad(weight, flat, row_grads, accumulate):
+    """The weight's gradient under Megatron's contract (tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication.backward) from the output gradients of its
+    row blocks `row_grads` ([tokens, rows] each, in order) and the input `flat` [tokens, in]:
+    with gradient-accumulation fusion, added into `weight.main_grad` (each block by one addmm
+    into its rows) and, for a weight carrying `grad_added_to_main_grad`, that flag set and an
+    unused placeholder returned so the DDP hook adds nothing twice; else the gradient itself."""
+    if not accumulate:
+        grads = [d.t().mm(flat) for d in row_grads]
+        return grads[0] if len(grads) == 1 else torch.cat(grads)
+    for rows, d in zip(weight.main_grad.split([d.shape[1] for d in row_grads]), row_grads):
+        if rows.dtype == d.dtype:
+            rows.addmm_(d.t(), flat)
+        else:  # bf16 / fp16 activations into an fp32 buffer, as parallel/cpu.py's stand-in
+            rows.add_(d.t().mm(flat))
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    new = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return new(weight.main_grad.shape, dtype=flat.dtype, device=flat.device)
+
+
+class OneRankLinear(torch.autograd.Function):
+    """x W^T for a weight held whole by one TP rank, with Megatron's weight-gradient contract
+    (`weight_grad`): what Megatron's linear computes there, without its Python around it (the
+    identity copy / reduce regions and its autograd function's checks, ~50 us a call on the
+    CPU, ~17 calls a forward at the 3m benchmark's shapes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, accumulate):
+        ctx.save_for_backward(x, weight)
+        ctx.accumulate = accumulate and hasattr(weight, "main_grad")
+        return flat_product(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        dw = weight_grad(weight, x.reshape(-1, x.shape[-1]), (grad.reshape(-1, grad.shape[-1]),),
+                         ctx.accumulate) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def flat_product(x, weight):
+    """x W^T as one [tokens, in] x [in, out] product: what Megatron's linear computes, bit for
+    bit. (Its identity region hands the product a view with canonical strides, which matmul
+    folds to this product; matmul on a packed [t, 1, h] input with another stride in the size-1
+    dimension takes a path that rounds differently.)"""
+    return x.reshape(-1, x.shape[-1]).mm(weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+
+def one_rank_linear(linear, x):
+    """`linear`'s output when it can run as `OneRankLinear`, else None: on the CPU (as the
+    halves of `GatedMLP`: the GPU keeps Megatron's kernels and fusions), one TP rank, no
+    sequence parallelism, no bias, no hooks (LoRA's adapter), no deferred or expert-parallel
+    weight gradients."""
+    if not (x.device.type == "cpu" and linear.bias is None and linear.tp_group.size() == 1
+            and not linear.sequence_parallel and not linear.config.defer_embedding_wgrad_compute
+            and not getattr(linear, "explicit_expert_comm", False)
+            and not (linear._forward_hooks or linear._forward_pre_hooks)):
+        return None
+    weight = linear.weight
+    if not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+        return flat_product(x, weight)
+    return OneRankLinear.apply(x, weight, linear.gradient_accumulation_fusion)
+
+
+class LeanColumnLinear(ColumnParallelLinear):
+    """Megatron's ColumnParallelLinear, through `one_rank_linear` where it applies (same
+    parameters, same state dict; `use_one_rank_linears` gives built models this class)."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        out = one_rank_linear(self, input_) if weight is None else None
+        return super().forward(input_, weight, runtime_gather_output) if out is None else (out, None)
+
+
+class LeanRowLinear(RowParallelLinear):
+    """Megatron's RowParallelLinear, through `one_rank_linear` where it applies."""
+
+    def forward(self, input_):
+        out = one_rank_linear(self, input_)
+        return super().forward(input_) if out is None else (out, None)
+
+
+def use_one_rank_linears(model):
+    """Every linear of `model` built as Megatron's own column / row parallel class takes the
+    Lean class (same parameters, same state dict)."""
+    for module in model.modules():
+        if type(module) is ColumnParallelLinear:
+            module.__class__ = LeanColumnLinear
+        elif type(module) is RowParallelLinear:
+            module.__class__ = LeanRowLinear
 
 
 def use_gated_mlp(model):

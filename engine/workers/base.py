@@ -368,14 +368,16 @@ class MegatronWorker:
             if position_ids is None and mb.packed_params is None:
                 position_ids = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
             # on the CPU, without parallel.cpu's function mode (a Python call per op): the
-            # model's forward names no CUDA device; the schedule around it does
+            # model's forward and the heads (log-prob kernels, losses) name no CUDA device; the
+            # schedule around them does
             with cpu_function_mode_suspended():
                 out = model(mb.tokens, position_ids, None, packed_seq_params=mb.packed_params)
             if self.router_replay:
                 replay_in_backward(model)
 
             def loss_fn(output):
-                loss, info = head_fn(output, mb)
+                with cpu_function_mode_suspended():
+                    loss, info = head_fn(output, mb)
                 return loss, torch.tensor(1), info
             return out, loss_fn
 
