@@ -3,7 +3,9 @@
 Megatron's local spec lacks two things Trident needs when TE is absent (CPU, or a GPU without
 TE): a norm that works with sequence parallelism, and a core attention that accepts separate
 key/value head sizes (MLA). It also runs SwiGLU as separate ops (`GatedMLP` fuses their
-backward). These are plain torch; TE's fused versions replace them when present.
+backward), and on one TP rank on the CPU Megatron's linears as one product without Megatron's
+per-call Python (`OneRankLinear`, bit for bit). These are plain torch; TE's fused versions
+replace them when present.
 
 Tests: tests/test_fusions.py, tests/test_layouts.py, tests/test_step_overhead.py,
 tests/gpu/test_attention_gpu.py
