@@ -462,50 +462,62 @@ def test_the_gradient_norm_is_the_finite_check(distributed):
 
 
 def _one_rank_linears_against_megatrons():
-    """Each of a real actor's column / row linears run as OneRankLinear and as Megatron's own
-    class on the same input (a packed [t, 1, h] view with a non-canonical stride in its size-1
-    dimension) and output gradient: (name, was the lean path taken, outputs equal, input
-    gradients equal, main_grad additions equal, the placeholder flag set) per linear; outputs
-    with and without gradients."""
+    """Each column / row linear of a real actor (trained weights) and of a reference (frozen
+    weights, as LoRA's base) run as OneRankLinear and as Megatron's own class on the same input
+    (a packed [t, 1, h] view with a non-canonical stride in its size-1 dimension) and output
+    gradient: (name, was the lean path taken, outputs equal, input gradients equal, main_grad
+    additions equal, the placeholder flag set) per linear; outputs with and without gradients.
+    Frozen weights have no main_grad: those two entries are True there."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
 
+    from engine.config import MegatronConfig, ModelConfig
     from engine.models import local_modules
+    from engine.workers.actor import ReferenceWorker
     from parallel.mesh import Layout, init_mesh
     from tests.test_checkpoint import make_actor
+    from tests.tiny_models import tiny_config
 
     init_mesh(Layout(), seed=1)
-    actor = make_actor()
-    calls = []
-    real = layers.LinearWithGradAccumulationAndAsyncCommunication.apply
-    layers.LinearWithGradAccumulationAndAsyncCommunication.apply = \
-        lambda *a: (calls.append(1), real(*a))[1]
+    workers = {"actor": make_actor(),
+               "ref": ReferenceWorker(tiny_config("llama"), MegatronConfig(params_dtype="float32"),
+                                      ModelConfig())}
+    calls = []  # Megatron's linear autograd functions (trained and frozen weights)
+    functions = (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight)
+    real = [f.apply for f in functions]
+    for f, apply in zip(functions, real):
+        f.apply = lambda *a, _apply=apply: (calls.append(1), _apply(*a))[1]
     out = []
     try:
-        for name, linear in actor.chunks[0].named_modules():
-            if not isinstance(linear, (local_modules.LeanColumnLinear, local_modules.LeanRowLinear)):
-                continue
-            torch.manual_seed(len(out))
-            x0 = torch.randn(1, 29, linear.weight.shape[1]).transpose(0, 1)  # strides (h, 29 h, 1)
-            grad = torch.randn(29, 1, linear.weight.shape[0])
-            runs = []
-            for cls in (type(linear), ColumnParallelLinear if isinstance(linear, ColumnParallelLinear)
-                        else RowParallelLinear):
-                lean, linear.__class__ = linear.__class__, cls
-                calls.clear()
-                linear.weight.main_grad.zero_()
-                x = x0.clone().as_strided(x0.shape, x0.stride()).requires_grad_(True)
-                y, _ = linear(x)
-                y.backward(grad)
-                with torch.no_grad():  # the reference's and the log-probs' forward
-                    y_no_grad = linear(x0)[0]
-                runs.append((torch.cat([y.detach(), y_no_grad]), x.grad, linear.weight.main_grad.clone(),
-                             len(calls), linear.weight.grad_added_to_main_grad))
-                linear.__class__ = lean
-            (y1, dx1, g1, c1, f1), (y2, dx2, g2, c2, f2) = runs
-            out.append((name, c1 == 0 and c2 == 2, torch.equal(y1, y2), torch.equal(dx1, dx2),
-                        torch.equal(g1, g2) and bool(g1.abs().sum() > 0), f1 and f2))
+        for kind, worker in workers.items():
+            for name, linear in worker.chunks[0].named_modules():
+                if not isinstance(linear, (local_modules.LeanColumnLinear, local_modules.LeanRowLinear)):
+                    continue
+                trained = linear.weight.requires_grad
+                torch.manual_seed(len(out))
+                x0 = torch.randn(1, 29, linear.weight.shape[1]).transpose(0, 1)  # strides (h, 29 h, 1)
+                grad = torch.randn(29, 1, linear.weight.shape[0])
+                runs = []
+                for cls in (type(linear), ColumnParallelLinear if isinstance(linear, ColumnParallelLinear)
+                            else RowParallelLinear):
+                    lean, linear.__class__ = linear.__class__, cls
+                    calls.clear()
+                    if trained:
+                        linear.weight.main_grad.zero_()
+                    x = x0.clone().as_strided(x0.shape, x0.stride()).requires_grad_(True)
+                    y, _ = linear(x)
+                    y.backward(grad)
+                    with torch.no_grad():  # the reference's and the log-probs' forward
+                        y_no_grad = linear(x0)[0]
+                    runs.append((torch.cat([y.detach(), y_no_grad]), x.grad,
+                                 linear.weight.main_grad.clone() if trained else None, len(calls),
+                                 linear.weight.grad_added_to_main_grad if trained else True))
+                    linear.__class__ = lean
+                (y1, dx1, g1, c1, f1), (y2, dx2, g2, c2, f2) = runs
+                out.append((f"{kind}:{name}", c1 == 0 and c2 == 2, torch.equal(y1, y2), torch.equal(dx1, dx2),
+                            not trained or (torch.equal(g1, g2) and bool(g1.abs().sum() > 0)), f1 and f2))
     finally:
-        layers.LinearWithGradAccumulationAndAsyncCommunication.apply = real
+        for f, apply in zip(functions, real):
+            f.apply = apply
     return out
 
 
@@ -513,9 +525,12 @@ def test_one_rank_linears_are_megatrons_bit_for_bit():
     """On one TP rank on the CPU, Megatron's column / row linears run as OneRankLinear (no
     identity regions, no Megatron autograd function): the same output, input gradient and
     weight gradient added into main_grad as Megatron's own linear, bit for bit, with its
-    placeholder-gradient flag set."""
+    placeholder-gradient flag set; for frozen weights too (whose Megatron path rounds a
+    non-canonically strided input's product as one flat product, not as matmul would)."""
     from tests.multirank import run_on_ranks
     rows = run_on_ranks(_one_rank_linears_against_megatrons, 1)[0]
-    assert {r[0].rsplit(".", 1)[-1] for r in rows} >= {"linear_qkv", "linear_proj", "linear_fc2"}
+    for kind in ("actor", "ref"):
+        assert {r[0].rsplit(".", 1)[-1] for r in rows if r[0].startswith(kind)} >= \
+            {"linear_qkv", "linear_proj", "linear_fc2"}, rows
     for name, lean_taken, *equal in rows:
         assert lean_taken and all(equal), (name, lean_taken, equal)

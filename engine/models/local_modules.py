@@ -100,8 +100,7 @@ class GatedMLP(MLP):
         Megatron's linear. A linear with hooks (LoRA's adapter: engine/models/lora.py) runs as
         itself: the halves would skip them."""
         fc1 = self.linear_fc1
-        if not (x.device.type == "cpu" and type(fc1) in (ColumnParallelLinear, LeanColumnLinear) and fc1.bias is None
-                and not (fc1._forward_hooks or fc1._forward_pre_hooks) and fc1.tp_group.size() == 1):
+        if not (isinstance(fc1, ColumnParallelLinear) and plain_on_one_rank(fc1, x)):
             return False
         return not torch.is_grad_enabled() or (fc1.weight.requires_grad and not fc1.sequence_parallel
                                                and not self.config.defer_embedding_wgrad_compute)
@@ -183,7 +182,7 @@ class OneRankLinear(torch.autograd.Function):
     def forward(ctx, x, weight, accumulate):
         ctx.save_for_backward(x, weight)
         ctx.accumulate = accumulate and hasattr(weight, "main_grad")
-        return flat_product(x, weight)
+        return torch.matmul(x, weight.t())  # Megatron's product (layers.py), so its rounding
 
     @staticmethod
     def backward(ctx, grad):
@@ -194,27 +193,24 @@ class OneRankLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def flat_product(x, weight):
-    """x W^T as one [tokens, in] x [in, out] product: what Megatron's linear computes, bit for
-    bit. (Its identity region hands the product a view with canonical strides, which matmul
-    folds to this product; matmul on a packed [t, 1, h] input with another stride in the size-1
-    dimension takes a path that rounds differently.)"""
-    return x.reshape(-1, x.shape[-1]).mm(weight.t()).view(*x.shape[:-1], weight.shape[0])
+def plain_on_one_rank(linear, x) -> bool:
+    """Whether `linear` is Megatron's own column / row linear (or its Lean class) held whole by
+    one TP rank, on the CPU (the GPU keeps Megatron's kernels and fusions), without bias and
+    without hooks (LoRA's adapter, engine/models/lora.py, runs as itself)."""
+    return (x.device.type == "cpu" and type(linear) in PLAIN_LINEARS and linear.bias is None
+            and not (linear._forward_hooks or linear._forward_pre_hooks) and linear.tp_group.size() == 1)
 
 
 def one_rank_linear(linear, x):
-    """`linear`'s output when it can run as `OneRankLinear`, else None: on the CPU (as the
-    halves of `GatedMLP`: the GPU keeps Megatron's kernels and fusions), one TP rank, no
-    sequence parallelism, no bias, no hooks (LoRA's adapter), no deferred or expert-parallel
-    weight gradients."""
-    if not (x.device.type == "cpu" and linear.bias is None and linear.tp_group.size() == 1
-            and not linear.sequence_parallel and not linear.config.defer_embedding_wgrad_compute
-            and not getattr(linear, "explicit_expert_comm", False)
-            and not (linear._forward_hooks or linear._forward_pre_hooks)):
+    """`linear`'s output when it can run as `OneRankLinear`, else None: `plain_on_one_rank`, no
+    sequence parallelism, no deferred or expert-parallel weight gradients."""
+    if not (plain_on_one_rank(linear, x) and not linear.sequence_parallel
+            and not linear.config.defer_embedding_wgrad_compute
+            and not getattr(linear, "explicit_expert_comm", False)):
         return None
     weight = linear.weight
     if not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
-        return flat_product(x, weight)
+        return torch.matmul(x, weight.t())
     return OneRankLinear.apply(x, weight, linear.gradient_accumulation_fusion)
 
 
@@ -223,7 +219,10 @@ class LeanColumnLinear(ColumnParallelLinear):
     parameters, same state dict; `use_one_rank_linears` gives built models this class)."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        out = one_rank_linear(self, input_) if weight is None else None
+        # Megatron's identity copy region hands its product a view with canonical strides, and
+        # matmul rounds a packed [t, 1, h] input whose size-1 dimension has another stride
+        # differently: the same view here keeps Megatron's results bit for bit
+        out = one_rank_linear(self, input_.view(input_.shape)) if weight is None else None
         return super().forward(input_, weight, runtime_gather_output) if out is None else (out, None)
 
 
@@ -233,6 +232,9 @@ class LeanRowLinear(RowParallelLinear):
     def forward(self, input_):
         out = one_rank_linear(self, input_)
         return super().forward(input_) if out is None else (out, None)
+
+
+PLAIN_LINEARS = (ColumnParallelLinear, RowParallelLinear, LeanColumnLinear, LeanRowLinear)
 
 
 def use_one_rank_linears(model):

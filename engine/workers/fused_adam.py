@@ -32,15 +32,20 @@ def megatron_optimizer(opt_cfg, chunks):
     return optimizer
 
 
+def torch_adams(optimizer) -> list:
+    """The torch Adam / AdamW optimizers inside a Megatron (possibly chained) optimizer."""
+    inner = [getattr(w, "optimizer", None) for w in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inner if type(o) in (torch.optim.Adam, torch.optim.AdamW)]
+
+
 def use_fused_adam(optimizer) -> int:
     """Switch every torch Adam / AdamW inside a Megatron (possibly chained) optimizer to the
     fused kernel where all its parameters are floating point on a device that has it; returns
     how many torch optimizers were switched. Any other optimizer (TE's or Apex's FusedAdam,
     SGD) is left as it is."""
     switched = 0
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(wrapper, "optimizer", None)
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
+    for inner in torch_adams(optimizer):
+        if inner.state:
             continue
         params = [p for g in inner.param_groups for p in g["params"]]
         if not params or not all(p.is_floating_point() and p.device.type in FUSED_DEVICES
@@ -69,10 +74,7 @@ def init_adam_state(optimizer) -> int:
     showed up only after a whole rollout. Made here, they sit below the activations from the
     start, and a model whose optimizer does not fit fails at setup."""
     made = 0
-    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(wrapper, "optimizer", None)
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
-            continue
+    for inner in torch_adams(optimizer):
         for group in inner.param_groups:
             if not group.get("fused"):  # use_fused_adam kept the loop: its counters live elsewhere
                 continue
