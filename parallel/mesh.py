@@ -238,6 +238,11 @@ def init_mesh(layout: Layout, seed: int = 1234, timeout_s: float = 600.0):
         create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(seed)
+    if not torch.cuda.is_available():
+        # megatron-core's gradient sync (DDP over data x context parallel ranks) through shared
+        # memory when the group's ranks share a host, not gloo's loopback TCP
+        from parallel import shm_reduce
+        shm_reduce.register(ps.get_data_parallel_group(with_context_parallel=True))
     return layout
 
 
@@ -268,6 +273,8 @@ def destroy_mesh():
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
         _clear_sharding_prop_cache()
         _redistribute._gen_transform_infos.cache_clear()
+    if "parallel.shm_reduce" in sys.modules:
+        sys.modules["parallel.shm_reduce"].forget_all()
     if dist.is_initialized():
         for group in list(dist.distributed_c10d._world.pg_map):
             if group is not dist.GroupMember.WORLD:

@@ -141,9 +141,10 @@ class StepContext:
     def layout(self, prompts, got, n=None, rows=None):
         """Responses `got` ({row: (ids, log-probs, routing)}) as this DP rank's training Batch."""
         r = self.cfg.actor_rollout_ref.rollout
-        return training_batch(prompts, got, self.my_rows(prompts) if rows is None else rows,
-                              r.n if n is None else n, self.pad_id, r.prompt_length, r.response_length,
-                              raw_chat=self.cfg.data.return_raw_chat)
+        with cpu_function_mode_suspended():  # host tensors only, no Megatron code
+            return training_batch(prompts, got, self.my_rows(prompts) if rows is None else rows,
+                                  r.n if n is None else n, self.pad_id, r.prompt_length, r.response_length,
+                                  raw_chat=self.cfg.data.return_raw_chat)
 
     def generate(self, prompts, sampling, n=None):
         """Responses for this DP rank's prompts as a training Batch (n per prompt, prompt-major).

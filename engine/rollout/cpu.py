@@ -23,6 +23,7 @@ from engine.rollout.base import (FINISH_LENGTH, FINISH_STOP, RolloutEngine, Roll
                                  SamplingParams, register_rollout)
 from engine.rollout.kv_cache import LeanCache, cache_argument, distinct_rows, preallocated_cache
 from engine.rollout.lean_decode import LeanForward, unsupported
+from parallel.cpu import suspended
 
 
 @contextlib.contextmanager
@@ -170,6 +171,7 @@ class CPURollout(RolloutEngine):
             for owner, owner_attr in owners:
                 setattr(owner, owner_attr, new)
 
+    @suspended()  # no Megatron code here (parallel/cpu.py suspended)
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if not self._allocated:
             self.resume_memory()
@@ -189,6 +191,7 @@ class CPURollout(RolloutEngine):
             self._param(slot.param_name).data[slot.index].copy_(tensor)
             self._missing.discard(self._slot_ids[name])
 
+    @suspended()  # no Megatron code here (parallel/cpu.py suspended)
     def load_slices(self, pieces) -> None:
         """[(HF name, box, tensor)] into the weights (the transfer plan's delivery); a weight
         counts as sent once its slices cover it (the caller sends each element once)."""
@@ -223,6 +226,7 @@ class CPURollout(RolloutEngine):
                              f"send every weight (tied lm_head / embed_tokens under either name) before finishing")
         self._weights_ready = True
 
+    @suspended()  # no Megatron code here (parallel/cpu.py suspended)
     def release_memory(self, tags=None) -> None:
         """The weights' storage goes back to this process's allocator, where the training
         phases take it (parallel/cpu.py keeps freed memory mapped, as torch's CUDA caching
@@ -237,6 +241,7 @@ class CPURollout(RolloutEngine):
         self._missing = set(self._slot_ids.values())
         self._filled = {}
 
+    @suspended()  # no Megatron code here (parallel/cpu.py suspended)
     def resume_memory(self, tags=None) -> None:
         if not self._allocated and (tags is None or "weights" in tags):
             self._set_storage(self.device)

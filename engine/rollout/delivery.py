@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from engine.rollout.transfer import TransferPlan
 from parallel import fsdp
+from parallel.cpu import suspended
 from parallel.shards import local_shards
 
 _BUFFER = re.compile(r"\.router\.expert_bias$")
@@ -86,6 +87,7 @@ class Delivery:
                                      f"({what}): the layout and the plan disagree")
 
     @torch.no_grad()
+    @suspended()  # plain tensor copies and sends: no Megatron code, no device rewrite on CPU
     def run(self, group) -> DeliveryStats:
         """Collective over all ranks: every round's slices into `group` (its `load_slices`)."""
         start = time.perf_counter()

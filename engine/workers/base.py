@@ -312,9 +312,10 @@ class MegatronWorker:
                 dist.all_reduce(longest, op=dist.ReduceOp.MAX,
                                 group=ps.get_data_parallel_group(with_context_parallel=True))
                 min_length = int(longest)
-        return [make_micro_batch(batch, g, packed=packed, multiple_of=multiple,
-                                 pad_id=self.pad_token_id, min_length=min_length, cp_size=cp,
-                                 cp_rank=ps.get_context_parallel_rank()) for g in groups]
+        cp_rank = ps.get_context_parallel_rank()
+        with cpu_function_mode_suspended():  # host tensors only, no Megatron code
+            return [make_micro_batch(batch, g, packed=packed, multiple_of=multiple, pad_id=self.pad_token_id,
+                                     min_length=min_length, cp_size=cp, cp_rank=cp_rank) for g in groups]
 
     def last_token_values(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """The model output at each row's last valid token [rows] (a reward model's score), with
