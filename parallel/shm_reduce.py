@@ -99,8 +99,8 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
 def _open(group):
     """The group's segment, or None for all its ranks alike (collective over `group`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world == 1:
-        return None  # nothing to reduce
+    if world == 1 or dist.get_backend(group) != "gloo":
+        return None  # nothing to reduce; or not gloo (torch's fake backend builds models on meta)
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) != 1:
