@@ -1,4 +1,4 @@
-"""Same-host gradient all-reduce through shared memory, for gloo groups on the CPU.
+"""Same-host gradient collectives through shared memory, for gloo groups on the CPU.
 
 On one machine gloo moves an all-reduce through loopback TCP: each rank sends and receives
 (W-1)/W of the tensor twice through the kernel (2.9 M floats between two ranks: ~9 ms here).
@@ -6,15 +6,17 @@ Through one shared-memory segment the same reduction is three copies and two bar
 each rank publishes the chunks of its tensor it does not own, sums the chunk it owns (its own
 values first, then the other ranks' in rank order), publishes that sum and copies the other
 owners' sums back. Every rank ends with the same bits; with two ranks they are gloo's bits too
-(a + b = b + a in floating point), with more a fixed order of the same sum.
+(a + b = b + a in floating point), with more a fixed order of the same sum. A reduce-scatter is
+the first half of that, an all-gather the second.
 
 `register(group)` (parallel/mesh.py, for the CPU's data-parallel gradient group) sets up the
-segment once, collectively, and wraps `torch.distributed.all_reduce`: a synchronous SUM of a
-contiguous float32 / float64 CPU tensor of at least `MIN_ELEMENTS` on a registered group takes
-this path (megatron-core's DDP gradient sync is one); every other call goes to gloo unchanged.
-A group whose ranks are on several hosts, or a /dev/shm without room, stays on gloo.
-
-Tests: tests/test_shm_reduce.py
+segment once, collectively, and wraps torch.distributed's `all_reduce`, `reduce_scatter_tensor`
+and `all_gather_into_tensor` (and megatron-core's own names for the last two, which
+param_and_grad_buffer.py binds at import): a synchronous call on a registered group with
+contiguous CPU tensors of at least `MIN_ELEMENTS` takes this path when it is a SUM of float32 /
+float64 (DDP's gradient all-reduce; the distributed optimizer's reduce-scatter) or a gather of any
+dtype (its parameter all-gather); every other call goes to gloo unchanged. A group whose ranks
+are on several hosts, or a /dev/shm without room, stays on gloo.
 """
 import os
 import socket
@@ -29,7 +31,7 @@ SEGMENT_BYTES = 64 << 20  # both turns of all ranks' slots; larger tensors go in
 _DTYPES = (torch.float32, torch.float64)
 
 _GROUPS = {}  # process group -> _Segment
-_GLOO_ALL_REDUCE = None  # torch.distributed.all_reduce before `register` wrapped it
+_TORCH = {}  # torch.distributed's functions before `register` wrapped them
 
 
 class _Segment:
@@ -82,18 +84,88 @@ def all_reduce_shared(tensor, group):
         _reduce_piece(seg, group, flat[start:start + step])
 
 
-def takes(tensor, op, group, async_op):
-    """Whether this all-reduce call goes through shared memory."""
-    return (group in _GROUPS and not async_op and op == dist.ReduceOp.SUM
-            and tensor.device.type == "cpu" and tensor.dtype in _DTYPES
-            and tensor.is_contiguous() and tensor.numel() >= MIN_ELEMENTS)
+def reduce_scatter_shared(output, tensor, group):
+    """output = the SUM over `group` of row `rank` of `tensor` viewed as [world, output.numel()]
+    (torch's reduce_scatter_tensor; `output` may be that row of `tensor` itself)."""
+    seg = _GROUPS[group]
+    rows = tensor.view(seg.world, -1)
+    step = seg.slot_bytes // tensor.element_size() // seg.world
+    for start in range(0, rows.shape[1], step):
+        block, out = rows[:, start:start + step], output.view(-1)[start:start + step]
+        slots = seg.slots(tensor.dtype, block.numel()).view(seg.world, seg.world, -1)
+        for c in range(seg.world):
+            if c != seg.rank:  # row c of this rank's slot: its values of the chunk rank c owns
+                slots[seg.rank, c].copy_(block[c])
+        dist.barrier(group=group)
+        out.copy_(block[seg.rank])
+        for q in range(seg.world):
+            if q != seg.rank:
+                out.add_(slots[q, seg.rank])
+
+
+def all_gather_shared(output, tensor, group):
+    """Row q of `output` viewed as [world, tensor.numel()] = rank q's `tensor` (torch's
+    all_gather_into_tensor; `tensor` may be this rank's row of `output` itself). Any dtype."""
+    seg = _GROUPS[group]
+    rows, flat = output.view(seg.world, -1), tensor.view(-1)
+    step = seg.slot_bytes // tensor.element_size()
+    for start in range(0, flat.numel(), step):
+        piece = flat[start:start + step]
+        slots = seg.slots(tensor.dtype, piece.numel())
+        slots[seg.rank].copy_(piece)
+        dist.barrier(group=group)
+        for c in range(seg.world):
+            rows[c, start:start + step].copy_(piece if c == seg.rank else slots[c])
+
+
+def takes(tensor, op, group, async_op, out=None, reduce=True):
+    """Whether this call (an all-reduce; a reduce-scatter / all-gather with `out`, the larger
+    side `tensor`) goes through shared memory."""
+    if not (group in _GROUPS and not async_op and tensor.device.type == "cpu"
+            and tensor.is_contiguous() and tensor.numel() >= MIN_ELEMENTS):
+        return False
+    if reduce and not (op == dist.ReduceOp.SUM and tensor.dtype in _DTYPES):
+        return False
+    return out is None or (out.device.type == "cpu" and out.is_contiguous() and out.dtype == tensor.dtype
+                           and tensor.numel() == out.numel() * _GROUPS[group].world)
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if takes(tensor, op, group, async_op):
-        all_reduce_shared(tensor, group)
-        return None
-    return _GLOO_ALL_REDUCE(tensor, op=op, group=group, async_op=async_op)
+        return all_reduce_shared(tensor, group)
+    return _TORCH["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+
+
+def _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if takes(input, op, group, async_op, out=output):
+        return reduce_scatter_shared(output, input, group)
+    return _TORCH["reduce_scatter_tensor"](output, input, op=op, group=group, async_op=async_op)
+
+
+def _all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    if takes(output_tensor, None, group, async_op, out=input_tensor, reduce=False):
+        return all_gather_shared(output_tensor, input_tensor, group)
+    return _TORCH["all_gather_into_tensor"](output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+_WRAPPERS = {"all_reduce": _all_reduce, "reduce_scatter_tensor": _reduce_scatter_tensor,
+             "all_gather_into_tensor": _all_gather_into_tensor}
+# megatron-core's names for torch's functions, bound when param_and_grad_buffer.py is imported
+_MEGATRON_NAMES = {"dist_reduce_scatter_func": "reduce_scatter_tensor",
+                   "dist_all_gather_func": "all_gather_into_tensor"}
+
+
+def _wrap():
+    """Once per process: torch.distributed's functions, and megatron-core's bindings of them."""
+    if _TORCH:
+        return
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    for name, wrapper in _WRAPPERS.items():
+        _TORCH[name] = getattr(dist, name)
+        setattr(dist, name, wrapper)
+    for alias, name in _MEGATRON_NAMES.items():
+        if getattr(buffers, alias, None) is _TORCH[name]:  # else megatron chose another (fp32 RS)
+            setattr(buffers, alias, _WRAPPERS[name])
 
 
 def _open(group):
@@ -133,18 +205,15 @@ def _open(group):
 
 
 def register(group):
-    """Collective over `group`: its gradient all-reduces go through shared memory when its
+    """Collective over `group`: its gradient collectives go through shared memory when its
     ranks share a host. Returns whether they will."""
-    global _GLOO_ALL_REDUCE
     if group in _GROUPS:
         return True
     seg = _open(group)
     if seg is None:
         return False
     _GROUPS[group] = seg
-    if _GLOO_ALL_REDUCE is None:
-        _GLOO_ALL_REDUCE = dist.all_reduce
-        dist.all_reduce = _all_reduce  # megatron-core calls torch.distributed.all_reduce
+    _wrap()
     return True
 
 
