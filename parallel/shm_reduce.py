@@ -17,6 +17,8 @@ contiguous CPU tensors of at least `MIN_ELEMENTS` takes this path when it is a S
 float64 (DDP's gradient all-reduce; the distributed optimizer's reduce-scatter) or a gather of any
 dtype (its parameter all-gather); every other call goes to gloo unchanged. A group whose ranks
 are on several hosts, or a /dev/shm without room, stays on gloo.
+
+Tests: tests/test_shm_reduce.py
 """
 import os
 import socket
