@@ -170,6 +170,15 @@ def _wrap():
             setattr(buffers, alias, _WRAPPERS[name])
 
 
+def segment_bytes(free, world):
+    """The segment's size: SEGMENT_BYTES, or a quarter of what the shared-memory file system has
+    free when that is less (a container's /dev/shm is 64 MiB by default); 0 (gloo) when a slot
+    would hold fewer than MIN_ELEMENTS floats."""
+    unit = 2 * world * 64  # two turns of `world` slots, each a multiple of 64 bytes
+    size = min(SEGMENT_BYTES, free // 4) // unit * unit
+    return size if size // (2 * world) >= 4 * MIN_ELEMENTS else 0
+
+
 def _open(group):
     """The group's segment, or None for all its ranks alike (collective over `group`)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -179,17 +188,16 @@ def _open(group):
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) != 1:
         return None
-    slot_bytes = SEGMENT_BYTES // (2 * world) // 64 * 64
-    size = 2 * world * slot_bytes
-    name = [""]
+    name = ["", 0]  # the file, a slot's bytes
     if rank == 0:
         path = os.path.join(SHM_DIR, f"trident-reduce-{uuid.uuid4().hex}")
         try:
             room = os.statvfs(SHM_DIR)
-            if room.f_bavail * room.f_frsize >= 2 * size:  # leave as much for everything else
+            size = segment_bytes(room.f_bavail * room.f_frsize, world)
+            if size:
                 with open(path, "wb") as f:
                     f.truncate(size)
-                name = [path]
+                name = [path, size // (2 * world)]
         except OSError:
             pass
     dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
@@ -197,7 +205,7 @@ def _open(group):
         return None
     seg, failed = None, torch.zeros(1)
     try:
-        seg = _Segment(name[0], world, rank, slot_bytes)
+        seg = _Segment(name[0], world, rank, name[1])
     except (OSError, RuntimeError):
         failed += 1
     dist.all_reduce(failed, group=group)  # every rank has tried to map it

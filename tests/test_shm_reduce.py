@@ -41,8 +41,9 @@ def _against_gloo(segment_bytes, sizes, dtypes):
     from torch.distributed import distributed_c10d as c10d
 
     from parallel import shm_reduce
-    saved = shm_reduce.SEGMENT_BYTES
-    shm_reduce.SEGMENT_BYTES = segment_bytes  # small slots: a tensor goes in many pieces
+    saved = shm_reduce.SEGMENT_BYTES, shm_reduce.MIN_ELEMENTS
+    # small slots (a tensor goes in many pieces), allowed by a small minimum
+    shm_reduce.SEGMENT_BYTES, shm_reduce.MIN_ELEMENTS = segment_bytes, 1024
     try:
         group = dist.new_group(list(range(dist.get_world_size())))
         assert shm_reduce.register(group)
@@ -79,12 +80,12 @@ def _against_gloo(segment_bytes, sizes, dtypes):
             routed = {k: len(v) for k, v in calls.items()}
             # what stays on gloo: another op, an async call, a strided view, a small tensor,
             # an integer sum, a group not registered
-            x = torch.randn(2 * shm_reduce.MIN_ELEMENTS, generator=gen)
+            x = torch.randn(2 * 65536, generator=gen)
             dist.all_reduce(x.clone(), op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(x.clone(), group=group, async_op=True).wait()
             dist.all_reduce(x.clone()[::2], group=group)
             dist.all_reduce(x[:100].clone(), group=group)
-            dist.all_reduce(torch.ones(shm_reduce.MIN_ELEMENTS, dtype=torch.int64), group=group)
+            dist.all_reduce(torch.ones(65536, dtype=torch.int64), group=group)
             dist.all_reduce(x.clone())
             dist.reduce_scatter_tensor(torch.empty(len(x) // world), x.clone(), op=dist.ReduceOp.MAX, group=group)
             dist.all_gather_into_tensor(torch.empty(len(x) * world), x.clone(), group=group, async_op=True).wait()
@@ -93,7 +94,7 @@ def _against_gloo(segment_bytes, sizes, dtypes):
             _restore(shm_reduce, inner)
         return dict(out=out, routed=routed)
     finally:
-        shm_reduce.SEGMENT_BYTES = saved
+        shm_reduce.SEGMENT_BYTES, shm_reduce.MIN_ELEMENTS = saved
 
 
 def test_two_ranks_get_gloos_bits_in_one_or_many_pieces():
@@ -137,6 +138,15 @@ def _unavailable(shm_dir):
 
 def test_no_shared_memory_leaves_the_group_on_gloo(tmp_path):
     assert run_on_ranks(_unavailable, 2, str(tmp_path / "absent")) == [False, False]
+
+
+def test_the_segment_fits_the_shared_memory_there_is():
+    from parallel.shm_reduce import MIN_ELEMENTS, SEGMENT_BYTES, segment_bytes
+    assert segment_bytes(24 << 30, 2) == SEGMENT_BYTES  # plenty: the full segment
+    assert segment_bytes(64 << 20, 2) == 16 << 20  # docker's default /dev/shm: a quarter of it
+    assert segment_bytes(24 << 30, 3) % (2 * 3 * 64) == 0  # slots of whole 64-byte lines
+    assert segment_bytes(4 * 4 * 4 * MIN_ELEMENTS, 2) == 4 * 4 * MIN_ELEMENTS  # slots of MIN_ELEMENTS floats
+    assert segment_bytes(4 * 4 * 4 * MIN_ELEMENTS - 1024, 2) == 0  # smaller: gloo
 
 
 def _actor_update(shared, distributed):
