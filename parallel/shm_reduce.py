@@ -54,6 +54,7 @@ class _Segment:
 
 
 def chunk_bounds(n, world):
+    """[lo, hi) of the chunk each rank owns in an all-reduce of n elements."""
     return [(n * c // world, n * (c + 1) // world) for c in range(world)]
 
 
