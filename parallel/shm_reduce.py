@@ -58,52 +58,60 @@ def chunk_bounds(n, world):
     return [(n * c // world, n * (c + 1) // world) for c in range(world)]
 
 
-def _reduce_piece(seg, group, t):
-    """All-reduce (SUM) the contiguous 1-D tensor `t` of at most a slot's elements, in place."""
-    slots = seg.slots(t.dtype, t.numel())
-    mine, bounds = slots[seg.rank], chunk_bounds(t.numel(), seg.world)
-    for c, (lo, hi) in enumerate(bounds):
-        if c != seg.rank:  # the chunks other ranks own
-            mine[lo:hi].copy_(t[lo:hi])
+def _sum_own(seg, group, slots, parts, offsets, out):
+    """The reduce-scatter half, in one turn of the slots: this rank publishes its values of the
+    chunks other ranks own (`parts[c]` at `offsets[c]` of its slot), then `out` gets the sum
+    over ranks of the chunk it owns: its own values first, then the others' in rank order (`out`
+    may be `parts[rank]` itself)."""
+    for c, part in enumerate(parts):
+        if c != seg.rank:
+            slots[seg.rank, offsets[c]:offsets[c] + part.numel()].copy_(part)
     dist.barrier(group=group)
-    lo, hi = bounds[seg.rank]
-    own = t[lo:hi]
+    lo = offsets[seg.rank]
+    out.copy_(parts[seg.rank])  # harmless when they are the same memory
     for q in range(seg.world):
         if q != seg.rank:
-            own.add_(slots[q, lo:hi])
-    mine[lo:hi].copy_(own)  # this rank's chunk of its slot was unused: it carries the sum
+            out.add_(slots[q, lo:lo + out.numel()])
+
+
+def _gather_others(seg, group, slots, own, parts, offsets):
+    """The all-gather half, in one turn: this rank publishes `own` at `offsets[rank]` of its
+    slot, then `parts[c]` gets rank c's for every other rank c."""
+    lo = offsets[seg.rank]
+    slots[seg.rank, lo:lo + own.numel()].copy_(own)
     dist.barrier(group=group)
-    for c, (lo, hi) in enumerate(bounds):
+    for c, part in enumerate(parts):
         if c != seg.rank:
-            t[lo:hi].copy_(slots[c, lo:hi])
+            part.copy_(slots[c, offsets[c]:offsets[c] + part.numel()])
 
 
 def all_reduce_shared(tensor, group):
-    """SUM-all-reduce `tensor` (contiguous, CPU, float32 / float64) over registered `group`."""
+    """SUM-all-reduce `tensor` (contiguous, CPU, float32 / float64) over registered `group`:
+    per piece, both halves in one turn (a rank's own chunk of its slot, unused by the first
+    half, carries its sum to the others)."""
     seg = _GROUPS[group]
     flat = tensor.view(-1)
     step = seg.slot_bytes // tensor.element_size()
     for start in range(0, flat.numel(), step):
-        _reduce_piece(seg, group, flat[start:start + step])
+        piece = flat[start:start + step]
+        bounds = chunk_bounds(piece.numel(), seg.world)
+        parts, offsets = [piece[lo:hi] for lo, hi in bounds], [lo for lo, _ in bounds]
+        slots = seg.slots(tensor.dtype, piece.numel())
+        _sum_own(seg, group, slots, parts, offsets, parts[seg.rank])
+        _gather_others(seg, group, slots, parts[seg.rank], parts, offsets)
 
 
 def reduce_scatter_shared(output, tensor, group):
     """output = the SUM over `group` of row `rank` of `tensor` viewed as [world, output.numel()]
     (torch's reduce_scatter_tensor; `output` may be that row of `tensor` itself)."""
     seg = _GROUPS[group]
-    rows = tensor.view(seg.world, -1)
+    rows, out = tensor.view(seg.world, -1), output.view(-1)
     step = seg.slot_bytes // tensor.element_size() // seg.world
     for start in range(0, rows.shape[1], step):
-        block, out = rows[:, start:start + step], output.view(-1)[start:start + step]
-        slots = seg.slots(tensor.dtype, block.numel()).view(seg.world, seg.world, -1)
-        for c in range(seg.world):
-            if c != seg.rank:  # row c of this rank's slot: its values of the chunk rank c owns
-                slots[seg.rank, c].copy_(block[c])
-        dist.barrier(group=group)
-        out.copy_(block[seg.rank])
-        for q in range(seg.world):
-            if q != seg.rank:
-                out.add_(slots[q, seg.rank])
+        parts = list(rows[:, start:start + step])
+        n = parts[0].numel()
+        slots = seg.slots(tensor.dtype, seg.world * n)
+        _sum_own(seg, group, slots, parts, [c * n for c in range(seg.world)], out[start:start + n])
 
 
 def all_gather_shared(output, tensor, group):
@@ -113,12 +121,10 @@ def all_gather_shared(output, tensor, group):
     rows, flat = output.view(seg.world, -1), tensor.view(-1)
     step = seg.slot_bytes // tensor.element_size()
     for start in range(0, flat.numel(), step):
-        piece = flat[start:start + step]
-        slots = seg.slots(tensor.dtype, piece.numel())
-        slots[seg.rank].copy_(piece)
-        dist.barrier(group=group)
-        for c in range(seg.world):
-            rows[c, start:start + step].copy_(piece if c == seg.rank else slots[c])
+        own, parts = flat[start:start + step], list(rows[:, start:start + step])
+        slots = seg.slots(tensor.dtype, own.numel())
+        _gather_others(seg, group, slots, own, parts, [0] * seg.world)
+        parts[seg.rank].copy_(own)  # harmless when they are the same memory
 
 
 def takes(tensor, op, group, async_op, out=None, reduce=True):
